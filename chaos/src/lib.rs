@@ -1,0 +1,1 @@
+//! Fault injection, scenarios, invariant checks and reports.

@@ -1,0 +1,1 @@
+//! Sharded, streaming, atomically committed checkpoints in object storage.

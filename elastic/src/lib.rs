@@ -1,0 +1,1 @@
+//! Who is in the job: membership and rendezvous on etcd v3, and the scaling policy.

@@ -1,0 +1,1 @@
+//! The elastic-run node agent and the worker client libraries.

