@@ -1,1 +1,5 @@
+//! elastic-run's end-to-end tests, one binary (ripgrep's layout). Every test here runs against
+//! real services started by the `services` crate: etcd, moto (S3), Azurite, fake-gcs-server,
+//! and PyTorch in the worker environment.
 
+mod real_services;

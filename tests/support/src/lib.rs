@@ -273,11 +273,13 @@ impl Azurite {
         Ok(())
     }
 
-    /// The environment `object_store`'s Azure builder reads in emulator mode.
+    /// The environment `object_store`'s Azure builder reads (`MicrosoftAzureBuilder::from_env`)
+    /// to reach this emulator. It names the endpoint explicitly instead of using emulator mode,
+    /// whose address comes from one process-wide variable, so several Azurites can serve one
+    /// process.
     pub fn env(&self) -> Vec<(String, String)> {
         vec![
-            ("AZURE_STORAGE_USE_EMULATOR".into(), "true".into()),
-            ("AZURITE_BLOB_STORAGE_URL".into(), self.service.url()),
+            ("AZURE_STORAGE_ENDPOINT".into(), self.blob_url()),
             ("AZURE_STORAGE_ACCOUNT_NAME".into(), AZURITE_ACCOUNT.into()),
             ("AZURE_STORAGE_ACCOUNT_KEY".into(), AZURITE_KEY.into()),
             ("AZURE_ALLOW_HTTP".into(), "true".into()),
