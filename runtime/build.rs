@@ -20,7 +20,9 @@ fn main() {
                     "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))",
                 ])
                 .output()
-                .expect("the tch feature needs python3 with torch on PATH (LIBTORCH_USE_PYTORCH=1)");
+                .expect(
+                    "the tch feature needs python3 with torch on PATH (LIBTORCH_USE_PYTORCH=1)",
+                );
             assert!(
                 out.status.success(),
                 "python3 could not import torch: {}",

@@ -1,1 +1,107 @@
 //! Sharded, streaming, atomically committed checkpoints in object storage.
+//!
+//! # Layout
+//!
+//! - [`format`](mod@format): the on-bucket format (key layout, manifest schema v1, commit rule). Start here.
+//! - [`header`]: safetensors header reading and writing, with limits.
+//! - [`codec`]: per-chunk compression (`raw`, `zstd`, `zstd-planes`).
+//! - [`store`]: [`Store`], a URL-addressed location with retries, deadlines, cancellation.
+//! - [`save`]: streaming save of a writer's part, [`Store::commit`], and [`split_by_bytes`].
+//! - [`restore`]: listing, verification, resharded restore and byte-identical pull.
+//! - [`retention`]: the retention policy (a pure planner) and garbage collection.
+//! - [`copy`]: copying committed steps between stores.
+//! - [`error`]: the public [`Error`] (with `is_permanent`, `is_integrity`).
+//! - `local` (private): durable local writes (temp file, fsync, rename, fsync dir).
+//! - `src/bin/elastic-ckpt.rs`: the command-line tool (`push pull ls show verify gc cp`).
+//! - `tests/`: one test binary (`tests.rs`: conformance on memory/file/S3, bad input, crash,
+//!   faults, CLI, GCS reads, PyTorch interop) plus `azure.rs` (Azurite needs its own process).
+//! - `fuzz/`: cargo-fuzz targets, outside the workspace
+//!   (`cd checkpoint/fuzz && cargo +nightly fuzz run manifest_parse`).
+//! - `examples/bench.rs`: the figures in `BENCHMARKS.md`.
+//!
+//! # The API the node agent uses
+//!
+//! ```no_run
+//! # async fn agent() -> checkpoint::Result<()> {
+//! use checkpoint::*;
+//! let store = Store::open("s3://bucket/job42")?; // or file:///…, az://…, gs://…, memory://
+//! let cancel = CancellationToken::new();
+//!
+//! // Each rank (or node) saves its staged part; returns once its bytes are durable.
+//! let part = PartInput {
+//!     writer: "rank-3".into(),                       // unique per step
+//!     source: PartSource::Dir("/dev/shm/job42/step-100/rank-3".into()),
+//!     shards: Default::default(),                    // or __metadata__["elastic.shards"]
+//! };
+//! let record: PartRecord = store.save_part(100, part, &SaveOptions::default(), &cancel).await?;
+//!
+//! // One agent (any, or several racing) commits once every expected writer is durable.
+//! let req = CommitRequest {
+//!     world_size: 8,
+//!     writers: (0..8).map(|r| format!("rank-{r}")).collect(),
+//!     metadata: serde_json::json!({"lr_scale": 2.0, "loader_index": 12345}),
+//! };
+//! match store.commit(100, req, &cancel).await? {
+//!     CommitOutcome::Committed(_) => {}          // we wrote the manifest
+//!     CommitOutcome::AlreadyCommitted(_) => {}   // someone else did: same result
+//! }
+//!
+//! // On (re)start: pick the step once, then every rank restores it into its staging dir.
+//! let latest: Option<Manifest> = store.latest_committed(&cancel).await?;
+//! if let Some(m) = latest {
+//!     let report = store
+//!         .restore(Some(m.step), 3, 4, "/dev/shm/job42/restore/rank-3".as_ref(),
+//!                  &ReadOptions::default(), &cancel)
+//!         .await?;
+//!     // report.path is `<dest>/state.safetensors`; `<dest>/metadata.json` has the metadata.
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! - [`Store::open`]`(url)` / [`Store::open_with_options`]`(url, [(key, value)])`: backends by
+//!   URL; credentials from the usual environment (`AWS_*` incl. `AWS_ENDPOINT` and
+//!   `AWS_ALLOW_HTTP`, `AZURE_*`, `GOOGLE_*`). `memory://` is a fresh empty store per call.
+//!   Credentials never appear in errors or logs (URLs are shown without user-info or query).
+//! - [`Store::save_part`]`(step, PartInput, &SaveOptions, &cancel) -> PartRecord`. Memory is
+//!   bounded by `3 × concurrency × chunk_bytes_max` (384 MiB by default); each chunk is
+//!   retried within [`StoreOptions::deadline_ms`]; chunks of 16 MiB and more go up multipart.
+//!   Each call uses a fresh attempt id, so retrying a save is safe.
+//! - [`Store::commit`]`(step, CommitRequest, &cancel) -> CommitOutcome`: lists the durable part
+//!   records, takes the newest attempt of each expected writer, checks every object's length,
+//!   validates the merged manifest and writes it create-only. Fails with
+//!   [`Error::Incomplete`] naming missing writers.
+//! - [`split_by_bytes`]`(&[(name, bytes)], world) -> Vec<Vec<name>>`: which rank writes which
+//!   replicated (DDP) tensor, so each byte is written once in total.
+//! - [`Store::latest_committed`], [`Store::committed_steps`], [`Store::read_manifest`],
+//!   [`Store::list_steps`], [`Store::verify`], [`Store::pull`], [`Store::restore`],
+//!   [`Store::gc`], [`Store::copy_step`].
+//!
+//! Restore with `step: None` picks the newest committed step that restores for this rank, and
+//! falls back (with a warning) when it is corrupt or incomplete. Ranks restoring
+//! independently could in principle land on different steps when a chunk only some ranks read
+//! is corrupt; the agent should pick the step once ([`Store::latest_committed`]) and pass
+//! `Some(step)` to every rank, treating a rank's failure as a failure of that step.
+//!
+//! Sharded tensors are cut along dim 0. A writer declares a shard through
+//! [`PartInput::shards`] or its file's `__metadata__["elastic.shards"]`
+//! (`{"name": {"global_shape": [..], "dim0_offset": n}}`); restore gives rank `r` of `W` rows
+//! `[rows·r/W, rows·(r+1)/W)` and declares them the same way in its output.
+
+pub mod codec;
+pub mod copy;
+pub mod error;
+pub mod format;
+pub mod header;
+mod local;
+pub mod restore;
+pub mod retention;
+pub mod save;
+pub mod store;
+
+pub use error::{Error, Result};
+pub use format::{Manifest, PartRecord, ShardSpec};
+pub use restore::{ReadOptions, RestoreReport};
+pub use retention::RetentionPolicy;
+pub use save::{CommitOutcome, CommitRequest, PartInput, PartSource, SaveOptions, split_by_bytes};
+pub use store::{Store, StoreOptions};
+pub use tokio_util::sync::CancellationToken;

@@ -1,1 +1,527 @@
-fn main() {}
+//! `elastic-ckpt`: inspect, move and check checkpoints in object storage.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use checkpoint::save::Progress;
+use checkpoint::{
+    CancellationToken, CommitOutcome, CommitRequest, PartInput, PartSource, ReadOptions,
+    RetentionPolicy, SaveOptions, Store,
+};
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Default age after which an uncommitted leftover may be deleted.
+const LEFTOVER_AGE_SECS_DEFAULT: u64 = 3600;
+/// Default chunks in flight.
+const CONCURRENCY_DEFAULT: usize = 8;
+/// Default chunk size bound.
+const CHUNK_MIB_DEFAULT: usize = 32;
+
+#[derive(Parser)]
+#[command(
+    name = "elastic-ckpt",
+    version,
+    about = "Sharded checkpoints in object storage"
+)]
+struct Cli {
+    /// Machine-readable JSON output (also hides progress bars).
+    #[arg(long, global = true, env = "ELASTIC_CKPT_JSON")]
+    json: bool,
+    /// Chunks transferred at once.
+    #[arg(long, global = true, default_value_t = CONCURRENCY_DEFAULT, env = "ELASTIC_CKPT_CONCURRENCY")]
+    concurrency: usize,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Commit every *.safetensors file under DIR as step N (refuses an existing step).
+    Push {
+        dir: PathBuf,
+        url: String,
+        #[arg(long)]
+        step: u64,
+        /// World size recorded in the manifest.
+        #[arg(long, default_value_t = 1)]
+        world_size: u32,
+        /// Trainer metadata (JSON) recorded in the manifest.
+        #[arg(long, default_value = "{}")]
+        metadata: String,
+        /// Upper bound of a chunk, in MiB.
+        #[arg(long, default_value_t = CHUNK_MIB_DEFAULT)]
+        chunk_mib: usize,
+        /// Store chunks uncompressed.
+        #[arg(long)]
+        no_compress: bool,
+    },
+    /// Write a step's files under DIR, byte-identical to what was pushed (newest by default).
+    Pull {
+        url: String,
+        dir: PathBuf,
+        #[arg(long)]
+        step: Option<u64>,
+    },
+    /// List committed steps (with --all, uncommitted leftovers too).
+    Ls {
+        url: String,
+        #[arg(long)]
+        all: bool,
+    },
+    /// Show a step's tensors, files, compression and metadata (newest by default).
+    Show {
+        url: String,
+        #[arg(long)]
+        step: Option<u64>,
+    },
+    /// Read every object of a step and check lengths and checksums.
+    Verify {
+        url: String,
+        #[arg(long)]
+        step: Option<u64>,
+    },
+    /// Delete steps outside the retention policy and old uncommitted leftovers.
+    Gc {
+        url: String,
+        #[arg(long)]
+        keep_last: usize,
+        #[arg(long)]
+        keep_every: Option<u64>,
+        #[arg(long, default_value_t = LEFTOVER_AGE_SECS_DEFAULT)]
+        leftover_age_secs: u64,
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Copy committed steps (all, or --step N) from SRC to DST.
+    Cp {
+        src: String,
+        dst: String,
+        #[arg(long)]
+        step: Option<u64>,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn bar(json: bool, len: u64, what: &str) -> (ProgressBar, Option<Progress>) {
+    if json || !std::io::stderr().is_terminal() {
+        return (ProgressBar::hidden(), None);
+    }
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    pb.set_message(what.to_string());
+    let p = pb.clone();
+    (pb, Some(Arc::new(move |n| p.inc(n))))
+}
+
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// UTC `YYYY-MM-DDTHH:MM:SSZ` from Unix milliseconds.
+fn utc(ms: u64) -> String {
+    let secs = ms / 1000;
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Civil-from-days (Howard Hinnant).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+fn open(url: &str) -> Result<Store> {
+    Store::open(url).with_context(|| format!("opening {url}"))
+}
+
+/// The step a command acts on: the one asked for, else the newest with a manifest (valid or
+/// not, so `verify` and `show` report on it rather than silently on an older one).
+async fn newest_committed(
+    store: &Store,
+    step: Option<u64>,
+    cancel: &CancellationToken,
+) -> Result<u64> {
+    match step {
+        Some(s) => Ok(s),
+        None => store
+            .committed_steps(cancel)
+            .await?
+            .last()
+            .copied()
+            .with_context(|| format!("no committed step in {}", store.url())),
+    }
+}
+
+fn print_json(v: &impl serde::Serialize) -> Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    let cancel = CancellationToken::new();
+    {
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                cancel.cancel();
+            }
+        });
+    }
+    let json = cli.json;
+    let concurrency = cli.concurrency.max(1);
+    match cli.cmd {
+        Cmd::Push {
+            dir,
+            url,
+            step,
+            world_size,
+            metadata,
+            chunk_mib,
+            no_compress,
+        } => {
+            let metadata: serde_json::Value =
+                serde_json::from_str(&metadata).context("--metadata is not JSON")?;
+            if !dir.is_dir() {
+                bail!("{} is not a directory", dir.display());
+            }
+            let store = open(&url)?;
+            match store.read_manifest(step, &cancel).await {
+                Ok(_) => bail!(
+                    "step {step} already exists in {}; refusing to push",
+                    store.url()
+                ),
+                Err(checkpoint::Error::StepNotFound { .. }) => {}
+                Err(e) => return Err(e).context("checking whether the step exists"),
+            }
+            let total: u64 = walk_size(&dir);
+            let (pb, progress) = bar(json, total, "push");
+            let opts = SaveOptions {
+                chunk_bytes_max: chunk_mib.max(1) * 1024 * 1024,
+                concurrency,
+                compress: !no_compress,
+                progress,
+            };
+            let input = PartInput {
+                writer: "push".into(),
+                source: PartSource::Dir(dir.clone()),
+                shards: Default::default(),
+            };
+            let part = store
+                .save_part(step, input, &opts, &cancel)
+                .await
+                .with_context(|| format!("uploading {}", dir.display()))?;
+            pb.finish_and_clear();
+            let req = CommitRequest {
+                world_size,
+                writers: vec!["push".into()],
+                metadata,
+            };
+            let m = match store.commit(step, req, &cancel).await? {
+                CommitOutcome::Committed(m) => m,
+                CommitOutcome::AlreadyCommitted(_) => {
+                    bail!("step {step} was committed by someone else while pushing")
+                }
+            };
+            let _ = part;
+            if json {
+                print_json(&serde_json::json!({
+                    "step": step, "files": m.files.len(), "tensors": m.tensors.len(),
+                    "raw_bytes": m.raw_bytes(), "stored_bytes": m.stored_bytes(),
+                }))?;
+            } else {
+                println!(
+                    "committed step {step} to {}: {} files, {} tensors, {} ({} stored)",
+                    store.url(),
+                    m.files.len(),
+                    m.tensors.len(),
+                    human_bytes(m.raw_bytes()),
+                    human_bytes(m.stored_bytes())
+                );
+            }
+        }
+        Cmd::Pull { url, dir, step } => {
+            let store = open(&url)?;
+            let step = store.resolve_step(step, &cancel).await?;
+            let m = store.read_manifest(step, &cancel).await?;
+            let (pb, progress) = bar(json, m.raw_bytes(), "pull");
+            let opts = ReadOptions {
+                concurrency,
+                progress,
+            };
+            let m = store.pull(step, &dir, &opts, &cancel).await?;
+            pb.finish_and_clear();
+            if json {
+                print_json(
+                    &serde_json::json!({"step": step, "files": m.files.iter().map(|f| &f.name).collect::<Vec<_>>()}),
+                )?;
+            } else {
+                println!(
+                    "pulled step {step}: {} files into {}",
+                    m.files.len(),
+                    dir.display()
+                );
+            }
+        }
+        Cmd::Ls { url, all } => {
+            let store = open(&url)?;
+            let steps: Vec<_> = store
+                .list_steps(&cancel)
+                .await?
+                .into_iter()
+                .filter(|s| all || s.committed)
+                .collect();
+            if json {
+                print_json(&steps)?;
+            } else {
+                println!(
+                    "{:>12}  {:>10}  {:>10}  {:>5}  {:<20}  state",
+                    "STEP", "STORED", "RAW", "WORLD", "CREATED"
+                );
+                for s in steps {
+                    match (&s.manifest, &s.manifest_error) {
+                        (Some(m), _) => println!(
+                            "{:>12}  {:>10}  {:>10}  {:>5}  {:<20}  committed",
+                            s.step,
+                            human_bytes(m.stored_bytes),
+                            human_bytes(m.raw_bytes),
+                            m.world_size,
+                            utc(m.created_unix_ms)
+                        ),
+                        (None, Some(e)) => println!(
+                            "{:>12}  {:>10}  {:>10}  {:>5}  {:<20}  committed but invalid: {e}",
+                            s.step, "-", "-", "-", "-"
+                        ),
+                        (None, None) => println!(
+                            "{:>12}  {:>10}  {:>10}  {:>5}  {:<20}  uncommitted",
+                            s.step, "-", "-", "-", "-"
+                        ),
+                    }
+                }
+            }
+        }
+        Cmd::Show { url, step } => {
+            let store = open(&url)?;
+            let step = newest_committed(&store, step, &cancel).await?;
+            let m = store.read_manifest(step, &cancel).await?;
+            if json {
+                print_json(&m)?;
+            } else {
+                let ratio = m.raw_bytes() as f64 / m.stored_bytes().max(1) as f64;
+                println!(
+                    "step {}  world size {}  created {}",
+                    m.step,
+                    m.world_size,
+                    utc(m.created_unix_ms)
+                );
+                println!(
+                    "size {} raw, {} stored, ratio {ratio:.3}x, {} objects",
+                    human_bytes(m.raw_bytes()),
+                    human_bytes(m.stored_bytes()),
+                    m.objects.len()
+                );
+                let mut codecs = std::collections::BTreeMap::new();
+                for o in &m.objects {
+                    *codecs.entry(o.codec.name()).or_insert(0usize) += 1;
+                }
+                println!("codecs {codecs:?}");
+                println!("metadata {}", m.metadata);
+                println!("files:");
+                for f in &m.files {
+                    println!("  {}  {}", f.name, human_bytes(f.data_bytes));
+                }
+                println!("tensors:");
+                for t in &m.tensors {
+                    let bytes: u64 = t
+                        .shards
+                        .iter()
+                        .map(|s| s.data_offsets[1] - s.data_offsets[0])
+                        .sum();
+                    let kind = if t.sharded {
+                        format!("sharded x{}", t.shards.len())
+                    } else {
+                        "replicated".into()
+                    };
+                    println!(
+                        "  {}  {}  {:?}  {}  {kind}",
+                        t.name,
+                        t.dtype,
+                        t.shape,
+                        human_bytes(bytes)
+                    );
+                }
+            }
+        }
+        Cmd::Verify { url, step } => {
+            let store = open(&url)?;
+            let step = newest_committed(&store, step, &cancel).await?;
+            let m = store.read_manifest(step, &cancel).await?;
+            let (pb, progress) = bar(json, m.stored_bytes(), "verify");
+            let opts = ReadOptions {
+                concurrency,
+                progress,
+            };
+            let report = store.verify(step, &opts, &cancel).await?;
+            pb.finish_and_clear();
+            if json {
+                print_json(&report)?;
+            } else if report.bad.is_empty() {
+                println!(
+                    "step {step}: {} objects, {} verified",
+                    report.objects_checked,
+                    human_bytes(report.stored_bytes)
+                );
+            }
+            if !report.bad.is_empty() {
+                let list: Vec<String> = report
+                    .bad
+                    .iter()
+                    .map(|(k, r)| format!("{k}: {r}"))
+                    .collect();
+                bail!(
+                    "step {step} does not verify: {} bad object(s):\n  {}",
+                    report.bad.len(),
+                    list.join("\n  ")
+                );
+            }
+        }
+        Cmd::Gc {
+            url,
+            keep_last,
+            keep_every,
+            leftover_age_secs,
+            dry_run,
+        } => {
+            let store = open(&url)?;
+            let policy = RetentionPolicy {
+                keep_last,
+                keep_every,
+                leftover_age_ms_min: leftover_age_secs.saturating_mul(1000),
+            };
+            let report = store.gc(&policy, dry_run, &cancel).await?;
+            if json {
+                print_json(&report)?;
+            } else {
+                for i in &report.items {
+                    println!("{:>12}  {:?}  {}", i.step, i.decision, i.reason);
+                }
+                println!(
+                    "{}deleted {} objects, {}",
+                    if dry_run { "would have " } else { "" },
+                    report.objects_deleted,
+                    human_bytes(report.bytes_deleted)
+                );
+            }
+        }
+        Cmd::Cp { src, dst, step } => {
+            let from = open(&src)?;
+            let to = open(&dst)?;
+            let steps = match step {
+                Some(s) => vec![s],
+                None => from.committed_steps(&cancel).await?,
+            };
+            if steps.is_empty() {
+                bail!("no committed step in {}", from.url());
+            }
+            for s in &steps {
+                let m = from.read_manifest(*s, &cancel).await?;
+                let (pb, progress) = bar(json, m.stored_bytes(), &format!("cp {s}"));
+                let opts = ReadOptions {
+                    concurrency,
+                    progress,
+                };
+                from.copy_step(&to, *s, &opts, &cancel)
+                    .await
+                    .with_context(|| format!("copying step {s}"))?;
+                pb.finish_and_clear();
+            }
+            if json {
+                print_json(&serde_json::json!({"copied": steps}))?;
+            } else {
+                println!("copied steps {steps:?} from {} to {}", from.url(), to.url());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Total size of the *.safetensors files under `dir`, for the progress bar (best effort).
+fn walk_size(dir: &std::path::Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    let mut dirs_seen = 0usize;
+    while let Some(d) = stack.pop() {
+        dirs_seen += 1;
+        if dirs_seen > 100_000 {
+            break;
+        }
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            match e.file_type() {
+                Ok(t) if t.is_dir() => stack.push(p),
+                Ok(t) if t.is_file() && p.extension().is_some_and(|x| x == "safetensors") => {
+                    total += e.metadata().map(|m| m.len()).unwrap_or(0);
+                }
+                _ => {}
+            }
+        }
+    }
+    total
+}

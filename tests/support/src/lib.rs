@@ -130,7 +130,7 @@ impl Etcd {
             .service
             .data_dir()
             .context("etcd has no data dir")?
-            .to_path_buf();
+            .join("data");
         let child = spawn_etcd(
             &dir,
             self.service.port,
@@ -138,7 +138,7 @@ impl Etcd {
             &self.service.log_path,
         )?;
         self.service.child = Some(child);
-        wait_ready(&mut self.service, |port| etcd_healthy(port))
+        wait_ready(&mut self.service, etcd_healthy)
     }
 }
 

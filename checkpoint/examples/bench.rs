@@ -1,0 +1,314 @@
+//! Save/restore throughput against raw `object_store` on `file://`, and compression ratios.
+//!
+//! `cargo run --release -p checkpoint --example bench -- [TOTAL_MIB] [DIR]`
+//! (defaults: 2048 MiB under the system temp dir). Prints a Markdown table to stdout.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use checkpoint::{
+    CancellationToken, CommitRequest, PartInput, PartSource, ReadOptions, SaveOptions, Store,
+};
+use futures::{StreamExt, TryStreamExt};
+use object_store::{ObjectStoreExt, PutPayload};
+use rand::{Rng, SeedableRng};
+
+const CHUNK_BYTES: usize = 32 * 1024 * 1024;
+const CONCURRENCY: usize = 4;
+const FILES: usize = 4;
+
+/// N(0, 0.02) weights as f32 (Box-Muller).
+fn gaussian_f32(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            let u1: f32 = rng.random::<f32>().max(f32::MIN_POSITIVE);
+            let u2: f32 = rng.random();
+            0.02 * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+        })
+        .collect()
+}
+
+fn bytes_of(v: &[f32], bf16: bool) -> Vec<u8> {
+    let mut out = Vec::with_capacity(v.len() * if bf16 { 2 } else { 4 });
+    for x in v {
+        if bf16 {
+            out.extend_from_slice(&x.to_bits().to_le_bytes()[2..]);
+        } else {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    out
+}
+
+fn peak_rss_mib_reset() -> f64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb: f64 = s
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    kb / 1024.0
+}
+
+/// Writes FILES safetensors files (half bf16, half fp32 tensors), streaming, no big buffers.
+fn write_state(dir: &Path, total: usize) -> u64 {
+    std::fs::create_dir_all(dir).unwrap();
+    let per_file = total / FILES;
+    let tensor_bytes = (64 * 1024 * 1024).min(per_file) / 4 * 4;
+    let mut written = 0;
+    for f in 0..FILES {
+        let n_tensors = per_file.div_ceil(tensor_bytes);
+        let mut header = serde_json::Map::new();
+        let mut off = 0u64;
+        let mut specs = Vec::new();
+        for t in 0..n_tensors {
+            let bf16 = t % 2 == 0;
+            let elem = if bf16 { 2 } else { 4 };
+            let n = tensor_bytes / elem;
+            header.insert(
+                format!("layer.{t}.weight"),
+                serde_json::json!({"dtype": if bf16 {"BF16"} else {"F32"}, "shape": [n], "data_offsets": [off, off + tensor_bytes as u64]}),
+            );
+            specs.push((bf16, n, (f * 1000 + t) as u64));
+            off += tensor_bytes as u64;
+        }
+        // safetensors orders data by offset, so write tensors in insertion order.
+        let mut h = serde_json::Value::Object(header).to_string().into_bytes();
+        while !h.len().is_multiple_of(8) {
+            h.push(b' ');
+        }
+        let mut file = std::io::BufWriter::new(
+            std::fs::File::create(dir.join(format!("rank-{f}.safetensors"))).unwrap(),
+        );
+        file.write_all(&(h.len() as u64).to_le_bytes()).unwrap();
+        file.write_all(&h).unwrap();
+        for (bf16, n, seed) in specs {
+            file.write_all(&bytes_of(&gaussian_f32(n, seed), bf16))
+                .unwrap();
+        }
+        file.flush().unwrap();
+        written += off;
+    }
+    written
+}
+
+fn mib_s(bytes: u64, secs: f64) -> f64 {
+    bytes as f64 / 1048576.0 / secs
+}
+
+async fn raw_put_get(files: &[PathBuf], root: &Path, fsync: bool) -> (f64, f64, u64) {
+    let _ = std::fs::remove_dir_all(root);
+    std::fs::create_dir_all(root).unwrap();
+    let root = root.to_path_buf();
+    let store = Arc::new(object_store::local::LocalFileSystem::new_with_prefix(&root).unwrap());
+    let mut jobs = Vec::new();
+    for (fi, f) in files.iter().enumerate() {
+        let len = std::fs::metadata(f).unwrap().len();
+        for (ci, start) in (0..len).step_by(CHUNK_BYTES).enumerate() {
+            jobs.push((
+                fi,
+                ci,
+                f.clone(),
+                start,
+                (len - start).min(CHUNK_BYTES as u64),
+            ));
+        }
+    }
+    let total: u64 = jobs.iter().map(|j| j.4).sum();
+    let t = Instant::now();
+    futures::stream::iter(jobs.clone())
+        .map(|(fi, ci, f, start, len)| {
+            let store = store.clone();
+            let root = root.clone();
+            async move {
+                let data = tokio::task::spawn_blocking(move || {
+                    use std::os::unix::fs::FileExt;
+                    let mut buf = vec![0u8; len as usize];
+                    std::fs::File::open(f)
+                        .unwrap()
+                        .read_exact_at(&mut buf, start)
+                        .unwrap();
+                    buf
+                })
+                .await
+                .unwrap();
+                let p = object_store::path::Path::from(format!("raw/{fi}/{ci}.bin"));
+                store.put(&p, PutPayload::from(data)).await?;
+                if fsync {
+                    // The durability a checkpoint save gives: fsync the file and its directory.
+                    let f = root.join(p.as_ref());
+                    tokio::task::spawn_blocking(move || {
+                        std::fs::File::open(&f).unwrap().sync_all().unwrap();
+                        std::fs::File::open(f.parent().unwrap())
+                            .unwrap()
+                            .sync_all()
+                            .unwrap();
+                    })
+                    .await
+                    .unwrap();
+                }
+                Ok::<_, object_store::Error>(())
+            }
+        })
+        .buffer_unordered(CONCURRENCY)
+        .try_collect::<Vec<_>>()
+        .await
+        .unwrap();
+    let put_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    futures::stream::iter(jobs)
+        .map(|(fi, ci, ..)| {
+            let store = store.clone();
+            async move {
+                let p = object_store::path::Path::from(format!("raw/{fi}/{ci}.bin"));
+                let b = store.get(&p).await?.bytes().await?;
+                Ok::<_, object_store::Error>(b.len())
+            }
+        })
+        .buffer_unordered(CONCURRENCY)
+        .try_collect::<Vec<_>>()
+        .await
+        .unwrap();
+    (put_s, t.elapsed().as_secs_f64(), total)
+}
+
+fn compression_rows() -> Vec<String> {
+    let n = 32 * 1024 * 1024;
+    let w = gaussian_f32(n / 2, 7);
+    let mut rows = Vec::new();
+    for (name, bf16, width) in [("bf16", true, 2u8), ("fp32", false, 4u8)] {
+        let data = bytes_of(&w, bf16);
+        let data = &data[..n.min(data.len())];
+        let t = Instant::now();
+        let plain = zstd::bulk::compress(data, checkpoint::codec::ZSTD_LEVEL).unwrap();
+        let plain_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let (planes, codec) = checkpoint::codec::encode(data, Some(width), true);
+        let planes_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let back = checkpoint::codec::decode(&planes, &codec, data.len() as u64).unwrap();
+        let dec_s = t.elapsed().as_secs_f64();
+        assert_eq!(back, data);
+        rows.push(format!(
+            "| {name} N(0,0.02), {} MiB | zstd-1: {:.3}x at {:.0} MiB/s | {}: {:.3}x at {:.0} MiB/s (decode {:.0} MiB/s) |",
+            data.len() >> 20,
+            data.len() as f64 / plain.len() as f64,
+            mib_s(data.len() as u64, plain_s),
+            codec.name(),
+            data.len() as f64 / planes.len() as f64,
+            mib_s(data.len() as u64, planes_s),
+            mib_s(data.len() as u64, dec_s),
+        ));
+    }
+    rows
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let total_mib: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2048);
+    let base = args
+        .get(2)
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir)
+        .join(format!("ckpt-bench-{}", std::process::id()));
+    let staging = base.join("staging");
+    let bytes = write_state(&staging, total_mib * 1024 * 1024);
+    let files: Vec<PathBuf> = (0..FILES)
+        .map(|f| staging.join(format!("rank-{f}.safetensors")))
+        .collect();
+    eprintln!("state written: {} MiB", bytes >> 20);
+
+    let (nosync_s, _, raw_total) = raw_put_get(&files, &base.join("raw"), false).await;
+    let (put_s, get_s, _) = raw_put_get(&files, &base.join("raw"), true).await;
+    let mut rows = vec![
+        format!(
+            "| raw object_store put ({CONCURRENCY}×32 MiB), no fsync | {:.0} MiB/s | not durable |",
+            mib_s(raw_total, nosync_s)
+        ),
+        format!(
+            "| raw object_store put + fsync | {:.0} MiB/s | baseline for save |",
+            mib_s(raw_total, put_s)
+        ),
+        format!(
+            "| raw object_store get | {:.0} MiB/s | baseline for restore, which also writes and fsyncs its output |",
+            mib_s(raw_total, get_s)
+        ),
+    ];
+    let cancel = CancellationToken::new();
+    for compress in [false, true] {
+        let url = format!("file://{}", base.join(format!("ckpt-{compress}")).display());
+        let store = Store::open(&url).unwrap();
+        peak_rss_mib_reset();
+        let t = Instant::now();
+        let opts = SaveOptions {
+            chunk_bytes_max: CHUNK_BYTES,
+            concurrency: CONCURRENCY,
+            compress,
+            progress: None,
+        };
+        let input = PartInput {
+            writer: "bench".into(),
+            source: PartSource::Dir(staging.clone()),
+            shards: Default::default(),
+        };
+        store.save_part(1, input, &opts, &cancel).await.unwrap();
+        let req = CommitRequest {
+            world_size: 1,
+            writers: vec!["bench".into()],
+            metadata: serde_json::Value::Null,
+        };
+        let m = store
+            .commit(1, req, &cancel)
+            .await
+            .unwrap()
+            .manifest()
+            .clone();
+        let save_s = t.elapsed().as_secs_f64();
+        let save_peak = peak_rss_mib_reset();
+        let t = Instant::now();
+        let out = base.join(format!("restore-{compress}"));
+        let ropts = ReadOptions {
+            concurrency: CONCURRENCY,
+            progress: None,
+        };
+        store
+            .restore(Some(1), 0, 1, &out, &ropts, &cancel)
+            .await
+            .unwrap();
+        let restore_s = t.elapsed().as_secs_f64();
+        let restore_peak = peak_rss_mib_reset();
+        let _ = std::fs::remove_dir_all(&out);
+        let label = if compress { "compressed" } else { "raw chunks" };
+        rows.push(format!(
+            "| save, {label} (ratio {:.3}x) | {:.0} MiB/s ({:.0}% of raw put) | peak RSS {:.0} MiB |",
+            m.raw_bytes() as f64 / m.stored_bytes() as f64,
+            mib_s(bytes, save_s),
+            100.0 * put_s / save_s,
+            save_peak
+        ));
+        rows.push(format!(
+            "| restore, {label} | {:.0} MiB/s ({:.0}% of raw get) | peak RSS {:.0} MiB |",
+            mib_s(bytes, restore_s),
+            100.0 * get_s / restore_s,
+            restore_peak
+        ));
+        let _ = std::fs::remove_dir_all(base.join(format!("ckpt-{compress}")));
+    }
+    rows.extend(compression_rows());
+    let _ = std::fs::remove_dir_all(&base);
+    println!(
+        "| {} MiB state, {} files, file:// | throughput | notes |",
+        bytes >> 20,
+        FILES
+    );
+    println!("|---|---|---|");
+    for r in rows {
+        println!("{r}");
+    }
+}

@@ -1,0 +1,308 @@
+//! Per-chunk compression: `raw`, `zstd`, or `zstd-planes`.
+//!
+//! `zstd-planes` splits the aligned prefix of a chunk into `width` byte planes (plane `k`
+//! holds byte `k` of every element), compresses each plane that shrinks and keeps the others
+//! raw, then appends the unaligned tail raw. On float weights the exponent planes compress
+//! well while mantissa planes are noise, which plain zstd cannot see.
+//!
+//! The choice is made per chunk; a chunk is stored raw when compression does not pay.
+
+use serde::{Deserialize, Serialize};
+
+/// zstd level used for chunks: level 1 is the speed/ratio sweet spot on weights.
+pub const ZSTD_LEVEL: i32 = 1;
+/// A compressed form is kept only when it is at most this fraction of the input (in 1/1000).
+const PAYS_PER_MILLE: usize = 970;
+
+/// How one plane is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlaneEntry {
+    pub zstd: bool,
+    pub stored_bytes: u64,
+}
+
+/// The codec of one stored object, as recorded in the manifest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "name", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Codec {
+    Raw,
+    Zstd,
+    ZstdPlanes { width: u8, planes: Vec<PlaneEntry> },
+}
+
+impl Codec {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Codec::Raw => "raw",
+            Codec::Zstd => "zstd",
+            Codec::ZstdPlanes { .. } => "zstd-planes",
+        }
+    }
+
+    /// Checks the codec's own numbers against the object's lengths.
+    pub fn check(&self, raw_bytes: u64, stored_bytes: u64) -> Result<(), String> {
+        match self {
+            Codec::Raw if raw_bytes != stored_bytes => Err(format!(
+                "raw codec but stored_bytes {stored_bytes} != raw_bytes {raw_bytes}"
+            )),
+            Codec::Raw | Codec::Zstd => Ok(()),
+            Codec::ZstdPlanes { width, planes } => {
+                let w = u64::from(*width);
+                if !matches!(w, 2 | 4 | 8) || planes.len() as u64 != w {
+                    return Err(format!(
+                        "zstd-planes width {width} with {} planes",
+                        planes.len()
+                    ));
+                }
+                let plane_bytes = raw_bytes / w;
+                let mut total = raw_bytes % w;
+                for p in planes {
+                    if !p.zstd && p.stored_bytes != plane_bytes {
+                        return Err(format!(
+                            "raw plane of {} bytes, expected {plane_bytes}",
+                            p.stored_bytes
+                        ));
+                    }
+                    total = total
+                        .checked_add(p.stored_bytes)
+                        .ok_or("plane lengths overflow")?;
+                }
+                if total != stored_bytes {
+                    return Err(format!(
+                        "planes and tail add up to {total} bytes, object has {stored_bytes}"
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Plane `k` of width-`w` elements: byte `k` of every element. Monomorphized per width so
+/// the loop compiles to strided loads without bounds checks.
+fn extract_plane(raw: &[u8], w: usize, k: usize, plane: &mut [u8]) {
+    fn go<const W: usize>(raw: &[u8], k: usize, plane: &mut [u8]) {
+        for (dst, el) in plane.iter_mut().zip(raw.chunks_exact(W)) {
+            *dst = el[k];
+        }
+    }
+    match w {
+        2 => go::<2>(raw, k, plane),
+        4 => go::<4>(raw, k, plane),
+        _ => go::<8>(raw, k, plane),
+    }
+}
+
+/// The inverse of [`extract_plane`].
+fn scatter_plane(out: &mut [u8], w: usize, k: usize, plane: &[u8]) {
+    fn go<const W: usize>(out: &mut [u8], k: usize, plane: &[u8]) {
+        for (src, el) in plane.iter().zip(out.chunks_exact_mut(W)) {
+            el[k] = *src;
+        }
+    }
+    match w {
+        2 => go::<2>(out, k, plane),
+        4 => go::<4>(out, k, plane),
+        _ => go::<8>(out, k, plane),
+    }
+}
+
+/// Bytes compressed to probe whether a large buffer compresses at all.
+const PROBE_BYTES: usize = 256 * 1024;
+
+fn zstd_if_pays(data: &[u8], level: i32) -> Option<Vec<u8>> {
+    if data.is_empty() {
+        return None;
+    }
+    // Noise (mantissa planes) costs a full compression pass for nothing: probe a sample first.
+    if data.len() > 4 * PROBE_BYTES {
+        let probe = zstd::bulk::compress(&data[..PROBE_BYTES], level).ok()?;
+        if probe.len() * 1000 > PROBE_BYTES * PAYS_PER_MILLE {
+            return None;
+        }
+    }
+    let c = zstd::bulk::compress(data, level).ok()?;
+    (c.len() * 1000 <= data.len() * PAYS_PER_MILLE).then_some(c)
+}
+
+/// Encodes a chunk. `plane_width` is the element size of the float dtype that fills the chunk,
+/// if any; `compress == false` stores raw.
+pub fn encode(raw: &[u8], plane_width: Option<u8>, compress: bool) -> (Vec<u8>, Codec) {
+    if !compress || raw.is_empty() {
+        return (raw.to_vec(), Codec::Raw);
+    }
+    if let Some(width) = plane_width.filter(|w| matches!(w, 2 | 4 | 8)) {
+        let w = usize::from(width);
+        let aligned = raw.len() - raw.len() % w;
+        if aligned > 0 {
+            let mut out = Vec::with_capacity(raw.len());
+            let mut planes = Vec::with_capacity(w);
+            let mut plane = vec![0u8; aligned / w];
+            for k in 0..w {
+                extract_plane(&raw[..aligned], w, k, &mut plane);
+                match zstd_if_pays(&plane, ZSTD_LEVEL) {
+                    Some(c) => {
+                        planes.push(PlaneEntry {
+                            zstd: true,
+                            stored_bytes: c.len() as u64,
+                        });
+                        out.extend_from_slice(&c);
+                    }
+                    None => {
+                        planes.push(PlaneEntry {
+                            zstd: false,
+                            stored_bytes: plane.len() as u64,
+                        });
+                        out.extend_from_slice(&plane);
+                    }
+                }
+            }
+            out.extend_from_slice(&raw[aligned..]);
+            if out.len() * 1000 <= raw.len() * PAYS_PER_MILLE {
+                return (out, Codec::ZstdPlanes { width, planes });
+            }
+            return (raw.to_vec(), Codec::Raw);
+        }
+    }
+    match zstd_if_pays(raw, ZSTD_LEVEL) {
+        Some(c) => (c, Codec::Zstd),
+        None => (raw.to_vec(), Codec::Raw),
+    }
+}
+
+/// Decodes a stored chunk into exactly `raw_bytes` bytes. Never allocates more than
+/// `raw_bytes` for the output; any disagreement is an error string naming what is off.
+pub fn decode(stored: &[u8], codec: &Codec, raw_bytes: u64) -> Result<Vec<u8>, String> {
+    codec.check(raw_bytes, stored.len() as u64)?;
+    let raw_len = usize::try_from(raw_bytes).map_err(|_| "raw length does not fit in memory")?;
+    let out = match codec {
+        Codec::Raw => stored.to_vec(),
+        Codec::Zstd => unzstd(stored, raw_len)?,
+        Codec::ZstdPlanes { width, planes } => {
+            let w = usize::from(*width);
+            let plane_len = raw_len / w;
+            let mut out = vec![0u8; raw_len];
+            let mut pos = 0usize;
+            for (k, p) in planes.iter().enumerate() {
+                let n = p.stored_bytes as usize;
+                let src = &stored[pos..pos + n];
+                pos += n;
+                let plane = if p.zstd {
+                    std::borrow::Cow::Owned(unzstd(src, plane_len)?)
+                } else {
+                    std::borrow::Cow::Borrowed(src)
+                };
+                scatter_plane(&mut out[..plane_len * w], w, k, &plane);
+            }
+            out[plane_len * w..].copy_from_slice(&stored[pos..]);
+            out
+        }
+    };
+    Ok(out)
+}
+
+fn unzstd(src: &[u8], len: usize) -> Result<Vec<u8>, String> {
+    let out = zstd::bulk::decompress(src, len).map_err(|e| format!("zstd: {e}"))?;
+    if out.len() != len {
+        return Err(format!(
+            "zstd frame decodes to {} bytes, expected {len}",
+            out.len()
+        ));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Float-like bytes: a narrow normal-ish distribution, so exponent planes are compressible.
+    fn weights(n_elems: usize, width: u8, seed: u64) -> Vec<u8> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut out = Vec::new();
+        for _ in 0..n_elems {
+            let x: f32 = (rng.random::<f32>() - 0.5) * 0.04;
+            match width {
+                2 => out.extend_from_slice(&x.to_bits().to_le_bytes()[2..]),
+                4 => out.extend_from_slice(&x.to_le_bytes()),
+                _ => out.extend_from_slice(&f64::from(x).to_le_bytes()),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_codec_round_trips_every_dtype_and_odd_length() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for dtype in [
+            "BOOL", "U8", "I8", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32", "I64", "F64",
+        ] {
+            let width = crate::header::plane_width_for(dtype);
+            for len in [0usize, 1, 2, 3, 5, 7, 8, 9, 1023, 4096, 65_537] {
+                let w = width.unwrap_or(4);
+                let mut data = weights(len / usize::from(w) + 1, w, len as u64);
+                assert!(data.len() >= len);
+                data.truncate(len);
+                if len % 3 == 0 {
+                    data.iter_mut().for_each(|b| *b = rng.random());
+                }
+                for compress in [false, true] {
+                    let (stored, codec) = encode(&data, width, compress);
+                    let back = decode(&stored, &codec, len as u64).unwrap();
+                    assert_eq!(back, data, "{dtype} len {len} codec {codec:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn planes_beat_plain_zstd_on_bf16_weights_and_random_bytes_stay_raw() {
+        let data = weights(1 << 16, 2, 1);
+        let (stored, codec) = encode(&data, Some(2), true);
+        assert_eq!(codec.name(), "zstd-planes");
+        let plain = zstd::bulk::compress(&data, ZSTD_LEVEL).unwrap();
+        assert!(
+            stored.len() < plain.len(),
+            "{} vs {}",
+            stored.len(),
+            plain.len()
+        );
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let noise: Vec<u8> = (0..100_000).map(|_| rng.random()).collect();
+        assert_eq!(encode(&noise, Some(4), true).1, Codec::Raw);
+        assert_eq!(encode(&noise, None, true).1, Codec::Raw);
+        let zeros = vec![0u8; 10_000];
+        assert_eq!(encode(&zeros, None, true).1, Codec::Zstd);
+    }
+
+    #[test]
+    fn large_chunks_take_the_probe_path_and_still_round_trip() {
+        let mut data = weights(1 << 20, 4, 9);
+        data.push(7); // odd tail
+        let (stored, codec) = encode(&data, Some(4), true);
+        let Codec::ZstdPlanes { planes, .. } = &codec else {
+            panic!("{codec:?}")
+        };
+        assert!(planes[3].zstd, "the exponent plane compresses");
+        assert_eq!(decode(&stored, &codec, data.len() as u64).unwrap(), data);
+    }
+
+    #[test]
+    fn decode_rejects_inconsistent_lengths_without_panicking() {
+        let data = weights(1000, 4, 2);
+        let (stored, codec) = encode(&data, Some(4), true);
+        assert!(decode(&stored, &codec, 4001).is_err());
+        assert!(decode(&stored[..stored.len() - 1], &codec, 4000).is_err());
+        let (z, zc) = encode(&vec![0u8; 5000], None, true);
+        assert!(decode(&z, &zc, 4999).is_err());
+        assert!(decode(&z, &zc, 5001).is_err());
+        assert!(decode(b"garbage!", &Codec::Zstd, 8).is_err());
+        let bad = Codec::ZstdPlanes {
+            width: 3,
+            planes: vec![],
+        };
+        assert!(decode(b"", &bad, 0).is_err());
+    }
+}

@@ -1,0 +1,499 @@
+//! A checkpoint location: an `object_store` backend plus a key prefix, opened from a URL,
+//! with retries under a total deadline and cancellation on every call.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use object_store::path::Path as ObjPath;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use rand::Rng;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{Error, Result, StoreErrorKind, redact_userinfo};
+
+/// Tunables for store calls. Defaults suit object stores over a LAN or the internet.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// Total time one logical call (all its retries) may take.
+    pub deadline_ms: u64,
+    /// Attempts per logical call, the first included.
+    pub attempts_max: u32,
+    /// First retry backoff; doubles per attempt, with jitter.
+    pub backoff_initial_ms: u64,
+    pub backoff_max_ms: u64,
+    /// Objects at least this big go up as multipart uploads (`file://` stores default to
+    /// never: a local put is already staged and renamed).
+    pub multipart_threshold_bytes: usize,
+    /// Part size for multipart uploads (S3 needs >= 5 MiB except the last).
+    pub multipart_part_bytes: usize,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            deadline_ms: 300_000,
+            attempts_max: 8,
+            backoff_initial_ms: 50,
+            backoff_max_ms: 5_000,
+            multipart_threshold_bytes: 16 * 1024 * 1024,
+            multipart_part_bytes: 8 * 1024 * 1024,
+        }
+    }
+}
+
+/// A checkpoint location. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pub(crate) inner: Arc<dyn ObjectStore>,
+    prefix: ObjPath,
+    /// The URL without credentials or query, used in every message.
+    display: String,
+    /// For `file://`: the root directory, so puts can be fsynced.
+    local_root: Option<PathBuf>,
+    pub(crate) opts: StoreOptions,
+}
+
+impl std::fmt::Display for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.display)
+    }
+}
+
+impl Store {
+    /// Opens a checkpoint URL: `file:///abs/dir` (or a plain path), `memory://`,
+    /// `s3://bucket/prefix`, `az://container/prefix`, `gs://bucket/prefix`. Credentials and
+    /// endpoints come from the usual environment variables (`AWS_*` including `AWS_ENDPOINT`
+    /// and `AWS_ALLOW_HTTP`, `AZURE_*`, `GOOGLE_*`).
+    pub fn open(url: &str) -> Result<Store> {
+        Self::open_with_options(url, std::iter::empty::<(String, String)>())
+    }
+
+    /// Like [`Store::open`], with extra backend configuration keys applied after the
+    /// environment (`aws_endpoint`, `azure_storage_account_name`, ...).
+    pub fn open_with_options<I, K, V>(url: &str, options: I) -> Result<Store>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: Into<String>,
+    {
+        let shown = redact_userinfo(url.split(['?', '#']).next().unwrap_or(""));
+        let bad = |reason: String| Error::InvalidUrl {
+            url: shown.clone(),
+            reason,
+        };
+        let options: Vec<(String, String)> = options
+            .into_iter()
+            .map(|(k, v)| (k.as_ref().to_ascii_lowercase(), v.into()))
+            .collect();
+        let normalized = if url.contains("://") {
+            url.to_string()
+        } else {
+            let abs = std::path::absolute(url).map_err(|e| bad(e.to_string()))?;
+            format!("file://{}", abs.display())
+        };
+        let parsed = url::Url::parse(&normalized).map_err(|e| bad(e.to_string()))?;
+        let trimmed = |p: &str| p.trim_matches('/').to_string();
+        let (inner, prefix, local_root): (Arc<dyn ObjectStore>, String, Option<PathBuf>) =
+            match parsed.scheme() {
+                "file" => {
+                    let dir = parsed
+                        .to_file_path()
+                        .map_err(|_| bad("not a local absolute path".into()))?;
+                    std::fs::create_dir_all(&dir).map_err(|e| bad(format!("creating it: {e}")))?;
+                    let fs = object_store::local::LocalFileSystem::new_with_prefix(&dir)
+                        .map_err(|e| bad(e.to_string()))?;
+                    (Arc::new(fs), String::new(), Some(dir))
+                }
+                "memory" => (
+                    Arc::new(object_store::memory::InMemory::new()),
+                    trimmed(parsed.path()),
+                    None,
+                ),
+                "s3" | "s3a" => {
+                    use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+                    let mut b = AmazonS3Builder::from_env().with_url(normalized.clone());
+                    for (k, v) in &options {
+                        let key: AmazonS3ConfigKey =
+                            k.parse().map_err(|_| bad(format!("unknown option {k}")))?;
+                        b = b.with_config(key, v.clone());
+                    }
+                    let s = b
+                        .build()
+                        .map_err(|e| bad(crate::error::redact(&e.to_string())))?;
+                    (Arc::new(s), trimmed(parsed.path()), None)
+                }
+                "az" | "azure" | "abfs" | "abfss" => {
+                    use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
+                    let mut b = MicrosoftAzureBuilder::from_env().with_url(normalized.clone());
+                    for (k, v) in &options {
+                        let key: AzureConfigKey =
+                            k.parse().map_err(|_| bad(format!("unknown option {k}")))?;
+                        b = b.with_config(key, v.clone());
+                    }
+                    let s = b
+                        .build()
+                        .map_err(|e| bad(crate::error::redact(&e.to_string())))?;
+                    (Arc::new(s), trimmed(parsed.path()), None)
+                }
+                "gs" => {
+                    use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+                    let mut b = GoogleCloudStorageBuilder::from_env().with_url(normalized.clone());
+                    for (k, v) in &options {
+                        let key: GoogleConfigKey =
+                            k.parse().map_err(|_| bad(format!("unknown option {k}")))?;
+                        b = b.with_config(key, v.clone());
+                    }
+                    let s = b
+                        .build()
+                        .map_err(|e| bad(crate::error::redact(&e.to_string())))?;
+                    (Arc::new(s), trimmed(parsed.path()), None)
+                }
+                other => return Err(bad(format!("unsupported scheme {other:?}"))),
+            };
+        let prefix = ObjPath::parse(&prefix).map_err(|e| bad(e.to_string()))?;
+        let mut opts = StoreOptions::default();
+        if local_root.is_some() {
+            // A local put is already a staged write and a rename; multipart only adds copies.
+            opts.multipart_threshold_bytes = usize::MAX;
+        }
+        Ok(Store {
+            inner,
+            prefix,
+            display: redact_userinfo(normalized.split(['?', '#']).next().unwrap_or("")),
+            local_root,
+            opts,
+        })
+    }
+
+    /// Replaces the call options.
+    pub fn with_options(mut self, opts: StoreOptions) -> Self {
+        self.opts = opts;
+        self
+    }
+
+    /// The store's URL, with credentials removed.
+    pub fn url(&self) -> &str {
+        &self.display
+    }
+
+    /// A store over an existing backend (for tests and wrappers).
+    pub fn from_object_store(inner: Arc<dyn ObjectStore>, prefix: &str, display: &str) -> Store {
+        Store {
+            inner,
+            prefix: ObjPath::from(prefix),
+            display: display.to_string(),
+            local_root: None,
+            opts: StoreOptions::default(),
+        }
+    }
+
+    pub(crate) fn path(&self, key: &str) -> ObjPath {
+        if self.prefix.as_ref().is_empty() {
+            ObjPath::from(key)
+        } else {
+            ObjPath::from(format!("{}/{key}", self.prefix))
+        }
+    }
+
+    /// The key relative to this store's prefix.
+    pub(crate) fn rel_key<'a>(&self, p: &'a ObjPath) -> &'a str {
+        let s = p.as_ref();
+        if self.prefix.as_ref().is_empty() {
+            s
+        } else {
+            s.strip_prefix(self.prefix.as_ref())
+                .and_then(|r| r.strip_prefix('/'))
+                .unwrap_or(s)
+        }
+    }
+
+    pub(crate) fn err(&self, op: &'static str, key: &str, e: object_store::Error) -> Error {
+        Error::from_store(&self.display, op, key, e)
+    }
+
+    /// Runs `f` with retries on transient errors, a total deadline and cancellation.
+    pub(crate) async fn retry<T, F, Fut>(
+        &self,
+        op: &'static str,
+        key: &str,
+        cancel: &CancellationToken,
+        mut f: F,
+    ) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T>>,
+    {
+        let what = format!("{op} {key} on {}", self.display);
+        let deadline_ms = self.opts.deadline_ms;
+        let body = async {
+            let mut backoff_ms = self.opts.backoff_initial_ms.max(1);
+            let mut attempt = 1u32;
+            loop {
+                match f().await {
+                    Ok(v) => return Ok(v),
+                    Err(e) if e.is_permanent() || attempt >= self.opts.attempts_max => {
+                        return Err(e);
+                    }
+                    Err(e) => {
+                        let jitter = rand::rng().random_range(0..=backoff_ms / 2);
+                        tracing::warn!(op, key, attempt, error = %e, "retrying store call");
+                        tokio::time::sleep(Duration::from_millis(backoff_ms + jitter)).await;
+                        backoff_ms = (backoff_ms * 2).min(self.opts.backoff_max_ms.max(1));
+                        attempt += 1;
+                    }
+                }
+            }
+        };
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => Err(Error::Cancelled { op: what }),
+            r = tokio::time::timeout(Duration::from_millis(deadline_ms), body) => match r {
+                Ok(r) => r,
+                Err(_) => Err(Error::Timeout { op: what, deadline_ms }),
+            },
+        }
+    }
+
+    /// Reads a whole object.
+    pub(crate) async fn get(&self, key: &str, cancel: &CancellationToken) -> Result<Bytes> {
+        let path = self.path(key);
+        self.retry("get", key, cancel, || async {
+            let r = self
+                .inner
+                .get(&path)
+                .await
+                .map_err(|e| self.err("get", key, e))?;
+            r.bytes().await.map_err(|e| self.err("get", key, e))
+        })
+        .await
+    }
+
+    /// Reads a whole object, refusing one over `max_bytes` (checked before the body).
+    pub(crate) async fn get_bounded(
+        &self,
+        key: &str,
+        max_bytes: u64,
+        cancel: &CancellationToken,
+    ) -> Result<Bytes> {
+        let meta = self.head(key, cancel).await?;
+        if meta > max_bytes {
+            return Err(Error::Store {
+                store: self.display.clone(),
+                op: "get",
+                key: key.to_string(),
+                kind: StoreErrorKind::NotSupported,
+                message: format!("object of {meta} bytes is over the limit of {max_bytes}"),
+            });
+        }
+        let b = self.get(key, cancel).await?;
+        if b.len() as u64 > max_bytes {
+            return Err(Error::Store {
+                store: self.display.clone(),
+                op: "get",
+                key: key.to_string(),
+                kind: StoreErrorKind::NotSupported,
+                message: format!("object grew over the limit of {max_bytes}"),
+            });
+        }
+        Ok(b)
+    }
+
+    /// The size of an object.
+    pub(crate) async fn head(&self, key: &str, cancel: &CancellationToken) -> Result<u64> {
+        let path = self.path(key);
+        self.retry("head", key, cancel, || async {
+            self.inner
+                .head(&path)
+                .await
+                .map(|m| m.size)
+                .map_err(|e| self.err("head", key, e))
+        })
+        .await
+    }
+
+    /// Writes an object (overwriting), multipart when large, durable on return.
+    pub(crate) async fn put(
+        &self,
+        key: &str,
+        data: Bytes,
+        cancel: &CancellationToken,
+    ) -> Result<()> {
+        let path = self.path(key);
+        self.retry("put", key, cancel, || async {
+            if data.len() >= self.opts.multipart_threshold_bytes {
+                let upload = self
+                    .inner
+                    .put_multipart(&path)
+                    .await
+                    .map_err(|e| self.err("put", key, e))?;
+                let mut w = object_store::WriteMultipart::new_with_chunk_size(
+                    upload,
+                    self.opts.multipart_part_bytes.max(5 * 1024 * 1024),
+                );
+                w.put(data.clone());
+                w.finish().await.map_err(|e| self.err("put", key, e))?;
+            } else {
+                self.inner
+                    .put(&path, PutPayload::from_bytes(data.clone()))
+                    .await
+                    .map_err(|e| self.err("put", key, e))?;
+            }
+            Ok(())
+        })
+        .await?;
+        self.fsync_local(key).await
+    }
+
+    /// Writes an object only if none exists. `Ok(false)` when one already existed.
+    pub(crate) async fn put_create(
+        &self,
+        key: &str,
+        data: Bytes,
+        cancel: &CancellationToken,
+    ) -> Result<bool> {
+        let path = self.path(key);
+        let r = self
+            .retry("create", key, cancel, || async {
+                let opts = PutOptions {
+                    mode: PutMode::Create,
+                    ..Default::default()
+                };
+                self.inner
+                    .put_opts(&path, PutPayload::from_bytes(data.clone()), opts)
+                    .await
+                    .map_err(|e| self.err("create", key, e))
+            })
+            .await;
+        match r {
+            Ok(_) => {
+                self.fsync_local(key).await?;
+                Ok(true)
+            }
+            Err(e) if e.store_kind() == Some(StoreErrorKind::AlreadyExists) => Ok(false),
+            // A retried create whose first attempt landed answers Precondition on some stores.
+            Err(e) if e.store_kind() == Some(StoreErrorKind::Precondition) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub(crate) async fn delete(&self, key: &str, cancel: &CancellationToken) -> Result<()> {
+        let path = self.path(key);
+        let r = self
+            .retry("delete", key, cancel, || async {
+                self.inner
+                    .delete(&path)
+                    .await
+                    .map_err(|e| self.err("delete", key, e))
+            })
+            .await;
+        match r {
+            Err(e) if e.store_kind() == Some(StoreErrorKind::NotFound) => Ok(()),
+            r => r,
+        }
+    }
+
+    /// Lists every object under `dir` (recursively): relative keys, sizes and modified times.
+    pub(crate) async fn list(
+        &self,
+        dir: &str,
+        cancel: &CancellationToken,
+    ) -> Result<Vec<(String, u64, i64)>> {
+        use futures::TryStreamExt;
+        let path = self.path(dir);
+        self.retry("list", dir, cancel, || async {
+            let metas: Vec<object_store::ObjectMeta> = self
+                .inner
+                .list(Some(&path))
+                .try_collect()
+                .await
+                .map_err(|e| self.err("list", dir, e))?;
+            Ok(metas
+                .into_iter()
+                .map(|m| {
+                    (
+                        self.rel_key(&m.location).to_string(),
+                        m.size,
+                        m.last_modified.timestamp_millis(),
+                    )
+                })
+                .collect())
+        })
+        .await
+    }
+
+    /// Lists the immediate sub-directories of `dir`, as names.
+    pub(crate) async fn list_dirs(
+        &self,
+        dir: &str,
+        cancel: &CancellationToken,
+    ) -> Result<Vec<String>> {
+        let path = self.path(dir);
+        self.retry("list", dir, cancel, || async {
+            let r = self
+                .inner
+                .list_with_delimiter(Some(&path))
+                .await
+                .map_err(|e| self.err("list", dir, e))?;
+            Ok(r.common_prefixes
+                .iter()
+                .filter_map(|p| p.filename().map(str::to_string))
+                .collect())
+        })
+        .await
+    }
+
+    /// On `file://`, removes what is left of a directory after its objects were deleted:
+    /// empty directories (which a listing would still show) and staged uploads of a writer
+    /// that was killed mid-put (which a listing never shows).
+    pub(crate) async fn remove_local_dir(&self, dir: &str) -> Result<()> {
+        let Some(root) = &self.local_root else {
+            return Ok(());
+        };
+        let path = root.join(self.path(dir).as_ref());
+        tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io(&path, e)),
+            _ => Ok(()),
+        })
+        .await
+        .map_err(|e| Error::InvalidInput(format!("remove task: {e}")))?
+    }
+
+    /// On `file://`, makes a written object durable: fsync the file and its directory.
+    async fn fsync_local(&self, key: &str) -> Result<()> {
+        let Some(root) = &self.local_root else {
+            return Ok(());
+        };
+        let file = root.join(self.path(key).as_ref());
+        tokio::task::spawn_blocking(move || crate::local::fsync_file_and_dir(&file))
+            .await
+            .map_err(|e| Error::InvalidInput(format!("fsync task: {e}")))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_in_errors_and_display_carry_no_credentials() {
+        let err = Store::open("ftp://user:hunter2@host/x?sig=abc").unwrap_err();
+        let msg = err.to_string();
+        assert!(!msg.contains("hunter2") && !msg.contains("abc"), "{msg}");
+        assert!(msg.contains("unsupported scheme"), "{msg}");
+        let s = Store::open("memory:///pre/fix").unwrap();
+        assert_eq!(s.url(), "memory:///pre/fix");
+        assert_eq!(s.path("steps/x").as_ref(), "pre/fix/steps/x");
+    }
+
+    #[test]
+    fn plain_paths_open_as_file_urls() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("ck");
+        let s = Store::open(p.to_str().unwrap()).unwrap();
+        assert!(p.is_dir());
+        assert!(s.url().starts_with("file://"));
+    }
+}

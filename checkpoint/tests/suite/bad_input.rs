@@ -1,0 +1,449 @@
+//! Bad input: every case gets a clear error naming the thing, and nothing committed is lost.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use checkpoint::{Error, PartInput, PartSource, ReadOptions, Store};
+use object_store::memory::InMemory;
+use object_store::path::Path as ObjPath;
+use object_store::{ObjectStoreExt, PutPayload};
+use serde_json::Value;
+
+use crate::common::{self, cancel};
+
+const PREFIX: &str = "ck";
+
+/// A store over a memory backend the test can tamper with, holding committed steps 1 and 2.
+async fn two_steps() -> (Arc<InMemory>, Store) {
+    let mem = Arc::new(InMemory::new());
+    let store = Store::from_object_store(mem.clone(), PREFIX, "memory://ck");
+    common::push_files(&store, 1).await;
+    common::push_files(&store, 2).await;
+    (mem, store)
+}
+
+fn p(key: &str) -> ObjPath {
+    ObjPath::from(format!("{PREFIX}/{key}"))
+}
+
+async fn get_raw(mem: &InMemory, key: &str) -> Vec<u8> {
+    mem.get(&p(key))
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap()
+        .to_vec()
+}
+
+async fn put_raw(mem: &InMemory, key: &str, data: Vec<u8>) {
+    mem.put(&p(key), PutPayload::from(data)).await.unwrap();
+}
+
+async fn first_object_key(store: &Store, step: u64) -> String {
+    store.read_manifest(step, &cancel()).await.unwrap().objects[0]
+        .key
+        .clone()
+}
+
+/// Restoring "the newest" lands on step 1, and says step 2 was skipped.
+async fn assert_restore_falls_back_to_step_1(store: &Store) {
+    let dir = tempfile::tempdir().unwrap();
+    let r = store
+        .restore(None, 0, 1, dir.path(), &ReadOptions::default(), &cancel())
+        .await
+        .unwrap();
+    assert_eq!(r.step, 1);
+    assert_eq!(r.skipped_steps, vec![2]);
+    let latest = store.latest_committed(&cancel()).await.unwrap().unwrap();
+    assert!(latest.step <= 2);
+    // Step 1 is intact.
+    let v = store
+        .verify(1, &ReadOptions::default(), &cancel())
+        .await
+        .unwrap();
+    assert!(v.bad.is_empty());
+}
+
+#[tokio::test]
+async fn restore_falls_back_when_newest_chunk_has_a_flipped_bit() {
+    let (mem, store) = two_steps().await;
+    let key = first_object_key(&store, 2).await;
+    let mut data = get_raw(&mem, &key).await;
+    let mid = data.len() / 2;
+    data[mid] ^= 0x10;
+    put_raw(&mem, &key, data).await;
+
+    let report = store
+        .verify(2, &ReadOptions::default(), &cancel())
+        .await
+        .unwrap();
+    assert_eq!(report.bad.len(), 1);
+    assert_eq!(report.bad[0].0, key);
+    assert!(report.bad[0].1.contains("crc32c"), "{}", report.bad[0].1);
+
+    let dir = tempfile::tempdir().unwrap();
+    let err = store
+        .restore(
+            Some(2),
+            0,
+            1,
+            dir.path(),
+            &ReadOptions::default(),
+            &cancel(),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Corrupt { key: k, step: 2, .. } if *k == key),
+        "{err}"
+    );
+    let err = store
+        .pull(2, dir.path(), &ReadOptions::default(), &cancel())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains(&key), "{err}");
+    assert!(
+        files_under(dir.path()).is_empty(),
+        "a failed pull leaves no partial files: {:?}",
+        files_under(dir.path())
+    );
+    assert_restore_falls_back_to_step_1(&store).await;
+}
+
+#[tokio::test]
+async fn truncated_object_is_reported_as_truncated() {
+    let (mem, store) = two_steps().await;
+    let key = first_object_key(&store, 2).await;
+    let mut data = get_raw(&mem, &key).await;
+    data.truncate(data.len() - 3);
+    put_raw(&mem, &key, data).await;
+    let report = store
+        .verify(2, &ReadOptions::default(), &cancel())
+        .await
+        .unwrap();
+    assert_eq!(report.bad[0].0, key);
+    assert!(report.bad[0].1.contains("truncated"), "{}", report.bad[0].1);
+    assert_eq!(
+        store
+            .latest_committed(&cancel())
+            .await
+            .unwrap()
+            .unwrap()
+            .step,
+        1
+    );
+    assert_restore_falls_back_to_step_1(&store).await;
+}
+
+#[tokio::test]
+async fn missing_object_is_named_and_latest_falls_back() {
+    let (mem, store) = two_steps().await;
+    let key = first_object_key(&store, 2).await;
+    mem.delete(&p(&key)).await.unwrap();
+    let report = store
+        .verify(2, &ReadOptions::default(), &cancel())
+        .await
+        .unwrap();
+    assert_eq!(report.bad.len(), 1);
+    assert_eq!(report.bad[0].0, key);
+    assert_eq!(
+        store
+            .latest_committed(&cancel())
+            .await
+            .unwrap()
+            .unwrap()
+            .step,
+        1
+    );
+    assert_restore_falls_back_to_step_1(&store).await;
+}
+
+#[tokio::test]
+async fn garbled_manifest_is_rejected_naming_it_and_ls_shows_it() {
+    let (mem, store) = two_steps().await;
+    let key = "steps/00000000000000000002/manifest.json";
+    let mut data = get_raw(&mem, key).await;
+    data.truncate(data.len() / 2);
+    put_raw(&mem, key, data).await;
+    let err = store.read_manifest(2, &cancel()).await.unwrap_err();
+    assert!(matches!(err, Error::InvalidManifest { .. }), "{err}");
+    assert!(err.to_string().contains(key), "{err}");
+    let steps = store.list_steps(&cancel()).await.unwrap();
+    assert!(steps[1].manifest_error.is_some());
+    assert_restore_falls_back_to_step_1(&store).await;
+}
+
+/// Rewrites step 2's manifest through `edit` and checks it is rejected with `want` in the
+/// message, and that restore falls back to step 1.
+async fn forged(edit: impl FnOnce(&mut Value), want: &str) {
+    let (mem, store) = two_steps().await;
+    let key = "steps/00000000000000000002/manifest.json";
+    let mut m: Value = serde_json::from_slice(&get_raw(&mem, key).await).unwrap();
+    edit(&mut m);
+    put_raw(&mem, key, serde_json::to_vec(&m).unwrap()).await;
+    let err = store.read_manifest(2, &cancel()).await.unwrap_err();
+    assert!(
+        err.to_string().contains(want),
+        "{err} should mention {want:?}"
+    );
+    assert_restore_falls_back_to_step_1(&store).await;
+}
+
+#[tokio::test]
+async fn unknown_format_version_is_rejected() {
+    forged(|m| m["format_version"] = 2.into(), "format version 2").await;
+}
+
+#[tokio::test]
+async fn forged_object_length_is_rejected() {
+    forged(
+        |m| {
+            let o = &mut m["objects"][0];
+            o["raw_bytes"] = (o["raw_bytes"].as_u64().unwrap() + 1).into();
+            o["stored_bytes"] = (o["stored_bytes"].as_u64().unwrap() + 1).into();
+            o["codec"] = serde_json::json!({"name": "zstd"});
+        },
+        "files use",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn forged_segment_past_its_object_is_rejected() {
+    forged(
+        |m| m["files"][0]["segments"][0]["offset"] = 1.into(),
+        "out of bounds",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn forged_overlapping_segments_are_rejected() {
+    forged(
+        |m| {
+            // Point a segment at an object another segment of the same length already uses.
+            let lens: Vec<(usize, usize, u64)> = m["files"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .enumerate()
+                .flat_map(|(fi, f)| {
+                    f["segments"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .enumerate()
+                        .map(move |(si, s)| (fi, si, s["len"].as_u64().unwrap()))
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            let (a, b) = lens
+                .iter()
+                .enumerate()
+                .find_map(|(i, x)| lens[i + 1..].iter().find(|y| y.2 == x.2).map(|y| (*x, *y)))
+                .expect("two segments of equal length");
+            let obj = m["files"][a.0]["segments"][a.1]["object"].clone();
+            m["files"][b.0]["segments"][b.1]["object"] = obj;
+        },
+        "overlapping",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn forged_shape_disagreeing_with_byte_count_is_rejected() {
+    forged(
+        |m| {
+            let t = m["tensors"]
+                .as_array_mut()
+                .unwrap()
+                .iter_mut()
+                .find(|t| t["name"] == "embed")
+                .unwrap();
+            t["shape"][0] = 101.into();
+            t["shards"][0]["shape"][0] = 101.into();
+        },
+        "needs",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn forged_path_traversing_names_are_rejected() {
+    forged(
+        |m| m["files"][0]["name"] = "../../etc/cron.d/x".into(),
+        "'..'",
+    )
+    .await;
+    forged(|m| m["files"][0]["name"] = "/etc/passwd".into(), "absolute").await;
+    forged(|m| m["tensors"][0]["name"] = "../evil".into(), "'..'").await;
+}
+
+#[tokio::test]
+async fn forged_oversize_header_is_rejected() {
+    forged(
+        |m| {
+            let big = format!("{{{}", " ".repeat(65 * 1024 * 1024));
+            m["files"][0]["header"] = big.into();
+        },
+        "over the limit",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn forged_checksum_fails_verify_naming_the_object() {
+    let (mem, store) = two_steps().await;
+    let key = "steps/00000000000000000002/manifest.json";
+    let mut m: Value = serde_json::from_slice(&get_raw(&mem, key).await).unwrap();
+    let obj = m["objects"][1]["key"].as_str().unwrap().to_string();
+    let crc = m["objects"][1]["stored_crc32c"].as_u64().unwrap();
+    m["objects"][1]["stored_crc32c"] = (crc ^ 1).into();
+    if m["objects"][1]["codec"]["name"] == "raw" {
+        m["objects"][1]["raw_crc32c"] = (crc ^ 1).into();
+    }
+    put_raw(&mem, key, serde_json::to_vec(&m).unwrap()).await;
+    let report = store
+        .verify(2, &ReadOptions::default(), &cancel())
+        .await
+        .unwrap();
+    assert_eq!(report.bad.len(), 1);
+    assert_eq!(report.bad[0].0, obj);
+    assert_restore_falls_back_to_step_1(&store).await;
+}
+
+fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(files_under(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+async fn save_one(name: &str, file: Vec<u8>) -> Error {
+    let store = Store::open("memory://").unwrap();
+    let input = PartInput {
+        writer: "w".into(),
+        source: PartSource::Buffers(vec![(name.into(), Bytes::from(file))]),
+        shards: Default::default(),
+    };
+    let err = store
+        .save_part(1, input, &common::small_chunks(), &cancel())
+        .await
+        .unwrap_err();
+    assert!(
+        store.steps(&cancel()).await.unwrap().is_empty(),
+        "nothing written"
+    );
+    err
+}
+
+fn raw_file(header: &str, data_bytes: usize) -> Vec<u8> {
+    let mut f = (header.len() as u64).to_le_bytes().to_vec();
+    f.extend_from_slice(header.as_bytes());
+    f.extend(std::iter::repeat_n(0u8, data_bytes));
+    f
+}
+
+#[tokio::test]
+async fn save_rejects_path_traversing_tensor_and_file_names() {
+    let f = common::st_bytes(&[common::tensor("../evil", "F32", &[2], 1)], None);
+    let err = save_one("ok.safetensors", f).await;
+    assert!(
+        matches!(err, Error::InvalidName { ref name, .. } if name == "../evil"),
+        "{err}"
+    );
+    let f = common::st_bytes(&[common::tensor("w", "F32", &[2], 1)], None);
+    for bad in ["../x.safetensors", "/abs.safetensors", "a/\0.safetensors"] {
+        let err = save_one(bad, f.clone()).await;
+        assert!(matches!(err, Error::InvalidName { .. }), "{bad:?}: {err}");
+    }
+}
+
+#[tokio::test]
+async fn save_rejects_header_over_its_limit() {
+    let mut f = (100u64 * 1024 * 1024).to_le_bytes().to_vec();
+    f.extend_from_slice(b"{}");
+    let err = save_one("big.safetensors", f).await;
+    assert!(err.to_string().contains("over the limit"), "{err}");
+    assert!(err.to_string().contains("big.safetensors"), "{err}");
+}
+
+#[tokio::test]
+async fn save_rejects_shape_and_dtype_disagreeing_with_byte_count() {
+    let h = r#"{"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,15]}}"#;
+    let err = save_one("f.safetensors", raw_file(h, 15)).await;
+    assert!(err.to_string().contains("needs 16 bytes"), "{err}");
+    let h = r#"{"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}"#;
+    let err = save_one("f.safetensors", raw_file(h, 10)).await;
+    assert!(
+        err.to_string().contains("describes"),
+        "truncated file: {err}"
+    );
+}
+
+/// A stable-toolchain stand-in for the cargo-fuzz targets: seeded random mutations of a real
+/// manifest and header must give errors, never panics (replay a failure from its seed).
+#[tokio::test]
+async fn mutated_manifests_and_headers_never_panic() {
+    use rand::{Rng, SeedableRng};
+    let (mem, _store) = two_steps().await;
+    let manifest = get_raw(&mem, "steps/00000000000000000002/manifest.json").await;
+    let file = common::two_files()[0].1.clone();
+    let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+    let header = file[8..8 + n].to_vec();
+    for seed in 0..300u64 {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        for (base, is_manifest) in [(&manifest, true), (&header, false)] {
+            let mut m = base.clone();
+            for _ in 0..rng.random_range(1..8) {
+                let i = rng.random_range(0..m.len());
+                match rng.random_range(0..4) {
+                    0 => m[i] ^= 1 << rng.random_range(0..8),
+                    1 => m[i] = b"0123456789{}[]\",:-"[rng.random_range(0..18)],
+                    2 => {
+                        m.remove(i);
+                    }
+                    _ => m.truncate(i),
+                }
+                if m.is_empty() {
+                    break;
+                }
+            }
+            let r = std::panic::catch_unwind(|| {
+                if is_manifest {
+                    let _ = checkpoint::Manifest::parse(&m, 2);
+                } else {
+                    let _ = checkpoint::header::parse_header(&m, "f");
+                }
+            });
+            assert!(r.is_ok(), "seed {seed} panicked (manifest: {is_manifest})");
+        }
+    }
+}
+
+#[tokio::test]
+async fn restore_rejects_a_rank_outside_the_world() {
+    let (_mem, store) = two_steps().await;
+    let dir = tempfile::tempdir().unwrap();
+    for (rank, world) in [(4u32, 4u32), (0, 0)] {
+        let err = store
+            .restore(
+                Some(1),
+                rank,
+                world,
+                dir.path(),
+                &ReadOptions::default(),
+                &cancel(),
+            )
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("is not in a world"), "{err}");
+    }
+}

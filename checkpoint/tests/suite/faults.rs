@@ -1,0 +1,289 @@
+//! Faults a real service cannot be made to show on demand: transient errors (seeded), slow
+//! calls past the deadline, cancellation.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use checkpoint::{Error, PartInput, PartSource, ReadOptions, Store, StoreOptions};
+use futures::stream::BoxStream;
+use object_store::memory::InMemory;
+use object_store::path::Path;
+use object_store::throttle::{ThrottleConfig, ThrottledStore};
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    PutMultipartOptions, PutOptions, PutPayload, PutResult,
+};
+use rand::{Rng, SeedableRng};
+
+use crate::common::{self, cancel};
+
+/// Fails a seeded fraction of puts and gets with a transient error, never the same call twice
+/// in a row more than `streak_max` times.
+#[derive(Debug)]
+struct Unreliable {
+    inner: InMemory,
+    rng: std::sync::Mutex<rand::rngs::StdRng>,
+    fail_probability: f64,
+    failures: AtomicU32,
+    gets: AtomicU32,
+}
+
+impl fmt::Display for Unreliable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Unreliable")
+    }
+}
+
+impl Unreliable {
+    fn new(seed: u64) -> Self {
+        Self::with_probability(seed, 0.3)
+    }
+
+    fn with_probability(seed: u64, fail_probability: f64) -> Self {
+        Unreliable {
+            inner: InMemory::new(),
+            rng: std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(seed)),
+            fail_probability,
+            failures: AtomicU32::new(0),
+            gets: AtomicU32::new(0),
+        }
+    }
+
+    fn maybe_fail(&self) -> object_store::Result<()> {
+        if self.rng.lock().unwrap().random_bool(self.fail_probability) {
+            self.failures.fetch_add(1, Ordering::Relaxed);
+            return Err(object_store::Error::Generic {
+                store: "Unreliable",
+                source: "injected: connection reset".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl ObjectStore for Unreliable {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
+        self.maybe_fail()?;
+        self.inner.put_opts(location, payload, opts).await
+    }
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        self.maybe_fail()?;
+        self.inner.put_multipart_opts(location, opts).await
+    }
+    async fn get_opts(
+        &self,
+        location: &Path,
+        options: GetOptions,
+    ) -> object_store::Result<GetResult> {
+        self.gets.fetch_add(1, Ordering::Relaxed);
+        self.maybe_fail()?;
+        self.inner.get_opts(location, options).await
+    }
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<Path>>,
+    ) -> BoxStream<'static, object_store::Result<Path>> {
+        self.inner.delete_stream(locations)
+    }
+    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+    async fn copy_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+}
+
+fn fast_retries() -> StoreOptions {
+    StoreOptions {
+        attempts_max: 20,
+        backoff_initial_ms: 1,
+        backoff_max_ms: 5,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn transient_store_errors_are_retried_until_save_and_pull_succeed() {
+    for seed in 0..4 {
+        let flaky = Arc::new(Unreliable::new(seed));
+        let store = Store::from_object_store(flaky.clone(), "ck", "unreliable://ck")
+            .with_options(fast_retries());
+        let files = common::push_files(&store, 1).await;
+        let dir = tempfile::tempdir().unwrap();
+        store
+            .pull(1, dir.path(), &ReadOptions::default(), &cancel())
+            .await
+            .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        common::assert_dir_has(dir.path(), &files);
+        assert!(
+            flaky.failures.load(Ordering::Relaxed) > 0,
+            "seed {seed} injected nothing"
+        );
+    }
+}
+
+#[tokio::test]
+async fn transient_errors_past_attempts_max_surface_with_the_key() {
+    let flaky = Arc::new(Unreliable::new(1));
+    let store =
+        Store::from_object_store(flaky, "ck", "unreliable://ck").with_options(StoreOptions {
+            attempts_max: 1,
+            ..fast_retries()
+        });
+    let input = PartInput {
+        writer: "w".into(),
+        source: PartSource::Buffers(common::two_files()),
+        shards: Default::default(),
+    };
+    let err = store
+        .save_part(1, input, &common::small_chunks(), &cancel())
+        .await
+        .unwrap_err();
+    assert!(!err.is_permanent(), "{err}");
+    assert!(err.to_string().contains("unreliable://ck"), "{err}");
+}
+
+fn slow_puts() -> Store {
+    let config = ThrottleConfig {
+        wait_put_per_call: Duration::from_secs(3600),
+        ..Default::default()
+    };
+    Store::from_object_store(
+        Arc::new(ThrottledStore::new(InMemory::new(), config)),
+        "ck",
+        "slow://ck",
+    )
+}
+
+fn input() -> PartInput {
+    PartInput {
+        writer: "w".into(),
+        source: PartSource::Buffers(common::two_files()),
+        shards: Default::default(),
+    }
+}
+
+#[tokio::test]
+async fn a_put_past_the_deadline_is_a_timeout() {
+    let store = slow_puts().with_options(StoreOptions {
+        deadline_ms: 200,
+        ..Default::default()
+    });
+    let err = store
+        .save_part(1, input(), &common::small_chunks(), &cancel())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Timeout {
+                deadline_ms: 200,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn cancelling_a_save_stops_it_with_cancelled() {
+    let store = slow_puts();
+    let token = cancel();
+    let t2 = token.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        t2.cancel();
+    });
+    let err = tokio::time::timeout(
+        Duration::from_secs(30),
+        store.save_part(1, input(), &common::small_chunks(), &token),
+    )
+    .await
+    .expect("cancellation ends the save promptly")
+    .unwrap_err();
+    assert!(matches!(err, Error::Cancelled { .. }), "{err}");
+}
+
+#[tokio::test]
+async fn a_rank_reads_only_the_chunks_that_hold_its_bytes() {
+    use checkpoint::format::ShardSpec;
+    use checkpoint::restore::rows_for_rank;
+    let counting = Arc::new(Unreliable::with_probability(0, 0.0));
+    let store = Store::from_object_store(counting.clone(), "ck", "counting://ck");
+    let big = common::tensor("big", "F32", &[512, 64], 1);
+    for rank in 0..4u32 {
+        let (lo, hi) = rows_for_rank(512, rank, 4);
+        let mine = common::T {
+            shape: vec![(hi - lo) as usize, 64],
+            data: common::rows(&big, lo as usize, hi as usize),
+            ..big.clone()
+        };
+        let shards = [(
+            "big".to_string(),
+            ShardSpec {
+                global_shape: vec![512, 64],
+                dim0_offset: lo,
+            },
+        )]
+        .into();
+        let input = PartInput {
+            writer: format!("rank-{rank}"),
+            source: PartSource::Buffers(vec![(
+                format!("rank-{rank}.safetensors"),
+                common::st_bytes(&[mine], None).into(),
+            )]),
+            shards,
+        };
+        store
+            .save_part(1, input, &common::small_chunks(), &cancel())
+            .await
+            .unwrap();
+    }
+    let writers = ["rank-0", "rank-1", "rank-2", "rank-3"];
+    common::commit(&store, 1, &writers, 4).await;
+    let m = store.read_manifest(1, &cancel()).await.unwrap();
+    let before = counting.gets.load(Ordering::Relaxed);
+    let dir = tempfile::tempdir().unwrap();
+    store
+        .restore(
+            Some(1),
+            1,
+            2,
+            dir.path(),
+            &ReadOptions::default(),
+            &cancel(),
+        )
+        .await
+        .unwrap();
+    let reads = counting.gets.load(Ordering::Relaxed) - before;
+    // The manifest (a head, which object_store makes a get, and a get), then the chunks of old
+    // ranks 2 and 3 only: new rank 1 of 2 holds rows 256..512.
+    let needed = m
+        .objects
+        .iter()
+        .filter(|o| o.key.contains("/rank-2-") || o.key.contains("/rank-3-"))
+        .count();
+    assert!(m.objects.len() >= 16, "{} objects", m.objects.len());
+    assert_eq!(reads as usize, needed + 2, "of {} objects", m.objects.len());
+}

@@ -1,0 +1,440 @@
+//! The pure rendezvous decision core: no etcd, no clock reads, no I/O.
+//!
+//! [`decide`] takes everything it needs as data (the time in milliseconds, the members the
+//! leader observes, the current generation, the newest commit, the configuration) and returns a
+//! [`Decision`] with its [`Reason`]. The etcd adapter feeds it and carries out the decision; the
+//! table in `testdata/decide.json` drives it in tests.
+//!
+//! # Rules
+//!
+//! - *Eligible* members are present and not draining. A member is *waiting* when it is eligible
+//!   and not in the current generation.
+//! - **Initial formation** (no generation yet): freeze at once when `max` eligible members are
+//!   present; freeze when at least `min` are present and the settle window since the last
+//!   membership change has passed; otherwise wait.
+//! - **Loss**: a member of the current generation that is no longer present is lost. The next
+//!   generation keeps the eligible survivors in their existing relative order and appends all
+//!   waiting members (the job restarts anyway, so every join policy admits them at this
+//!   boundary), ordered by join time then node id, up to `max`. It is frozen at once at `max`,
+//!   else after the settle window.
+//! - **Undersized** (the generation is smaller than `min`, which was raised since): re-form it
+//!   as after a loss.
+//! - **Draining**: while a member of the current generation is draining (saving before it
+//!   leaves), keep the generation; it is re-formed when the member is gone.
+//! - **Scale-up** (nothing lost, members waiting, fewer than `max` in the generation): the join
+//!   policy says when the waiters are admitted:
+//!   - `Immediate`: now (after the settle window, or at once when this reaches `max`);
+//!   - `AfterCommit`: once a checkpoint was committed at or after the waiter joined, so the
+//!     restart loses no work; only waiters that joined before that commit are admitted;
+//!   - `Waiting(k)`: once `k` members are waiting (or the waiters would fill the job to `max`).
+//! - **Below `min`**: wait for replacements until `below_min_timeout_ms` after the eligible
+//!   count first dropped below `min`, then fail the job.
+//! - Members beyond `max` are spares: they wait until a slot frees.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+/// When new nodes are admitted into a running job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JoinPolicy {
+    /// At the next settle boundary.
+    Immediate,
+    /// After the next checkpoint commit, so the restart loses no work.
+    AfterCommit,
+    /// Once this many nodes are waiting.
+    Waiting(u32),
+}
+
+/// The core's configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CoreConfig {
+    pub min_nodes: u32,
+    pub max_nodes: u32,
+    /// How long membership must be unchanged before a generation is frozen below `max`.
+    pub settle_ms: u64,
+    pub join_policy: JoinPolicy,
+    /// How long the job may stay below `min` before it fails.
+    pub below_min_timeout_ms: u64,
+}
+
+impl CoreConfig {
+    /// Checks the ranges: `1 <= min <= max`, and `k >= 1` for `Waiting(k)`.
+    pub fn validate(&self) -> crate::Result<()> {
+        if self.min_nodes == 0 {
+            return Err(crate::Error::InvalidConfig {
+                field: "min_nodes",
+                reason: "must be at least 1".into(),
+            });
+        }
+        if self.max_nodes < self.min_nodes {
+            return Err(crate::Error::InvalidConfig {
+                field: "max_nodes",
+                reason: format!("{} is below min_nodes {}", self.max_nodes, self.min_nodes),
+            });
+        }
+        if self.join_policy == JoinPolicy::Waiting(0) {
+            return Err(crate::Error::InvalidConfig {
+                field: "join_policy",
+                reason: "waiting(k) needs k >= 1".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A member's state as the leader observes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemberState {
+    /// Registered and renewing its lease.
+    Alive,
+    /// Announced that it leaves soon (preemption); not admitted into new generations.
+    Draining,
+}
+
+/// One member as observed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Observed {
+    pub node_id: String,
+    pub state: MemberState,
+    /// When it registered, as an order key shared with [`CommitInfo::at`]. The etcd adapter
+    /// uses the registration's etcd revision, which every node agrees on (no clock skew).
+    pub joined_at: u64,
+}
+
+/// The newest committed checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommitInfo {
+    pub step: u64,
+    /// When it was recorded, on the same order key as [`Observed::joined_at`].
+    pub at: u64,
+}
+
+/// Timing state derived from successive observations; see [`Tracker`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Timing {
+    /// When the observed membership (ids and states) last changed.
+    pub changed_at_ms: u64,
+    /// Since when fewer than `min` eligible members are present, if they are.
+    pub below_min_since_ms: Option<u64>,
+}
+
+/// Everything [`decide`] looks at.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Input {
+    pub now_ms: u64,
+    pub members: Vec<Observed>,
+    /// The current generation's members in rank order; `None` before the first generation.
+    pub current: Option<Vec<String>>,
+    pub last_commit: Option<CommitInfo>,
+    pub timing: Timing,
+}
+
+/// Why the core decided what it decided.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Reason {
+    /// Nothing changed that needs a new generation.
+    Stable,
+    /// Members wait, but the generation is at `max`.
+    Full { waiting: u32 },
+    /// A member of the current generation is draining; re-form once it is gone.
+    Draining { nodes: Vec<String> },
+    /// Waiters are held back until a commit after they joined.
+    AwaitingCommit { waiting: u32 },
+    /// Waiters are held back until `k` are waiting.
+    AwaitingJoiners { waiting: u32, k: u32 },
+    /// Membership changed recently; wait for the settle window.
+    Settling,
+    /// `max` members are present.
+    AtMax,
+    /// At least `min` members and the settle window passed.
+    Settled,
+    /// Members of the current generation are gone.
+    MembersLost { lost: Vec<String> },
+    /// The current generation is smaller than `min` (raised since it was formed).
+    Undersized { size: u32, min: u32 },
+    /// Waiters admitted by the join policy.
+    ScaleUp { admitted: Vec<String> },
+    /// Fewer than `min` eligible members.
+    BelowMin { present: u32, min: u32 },
+    /// Below `min` for longer than the timeout.
+    BelowMinTimeout {
+        present: u32,
+        min: u32,
+        waited_ms: u64,
+    },
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Reason::Stable => write!(f, "stable"),
+            Reason::Full { waiting } => write!(f, "at max; {waiting} spare(s) waiting"),
+            Reason::Draining { nodes } => write!(f, "draining: {}", nodes.join(",")),
+            Reason::AwaitingCommit { waiting } => {
+                write!(f, "{waiting} waiting for the next checkpoint commit")
+            }
+            Reason::AwaitingJoiners { waiting, k } => write!(f, "{waiting} of {k} joiners waiting"),
+            Reason::Settling => write!(f, "settling"),
+            Reason::AtMax => write!(f, "max nodes present"),
+            Reason::Settled => write!(f, "min nodes present and settled"),
+            Reason::MembersLost { lost } => write!(f, "members lost: {}", lost.join(",")),
+            Reason::Undersized { size, min } => {
+                write!(f, "generation of {size} is below min {min}")
+            }
+            Reason::ScaleUp { admitted } => write!(f, "admitting: {}", admitted.join(",")),
+            Reason::BelowMin { present, min } => write!(f, "{present} present, below min {min}"),
+            Reason::BelowMinTimeout {
+                present,
+                min,
+                waited_ms,
+            } => write!(
+                f,
+                "{present} present, below min {min} for {waited_ms} ms: giving up"
+            ),
+        }
+    }
+}
+
+/// What the leader should do.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "action")]
+pub enum Decision {
+    /// Keep the current generation (or keep waiting without a deadline).
+    Keep { reason: Reason },
+    /// Write a new generation with these members in rank order.
+    Freeze {
+        members: Vec<String>,
+        reason: Reason,
+    },
+    /// Decide again at `until_ms` (or earlier, if membership changes).
+    Wait { until_ms: u64, reason: Reason },
+    /// Fail the job.
+    Fail { reason: Reason },
+}
+
+impl Decision {
+    pub fn reason(&self) -> &Reason {
+        match self {
+            Decision::Keep { reason }
+            | Decision::Freeze { reason, .. }
+            | Decision::Wait { reason, .. }
+            | Decision::Fail { reason } => reason,
+        }
+    }
+}
+
+/// Decides what the leader does now. Pure: the same input always gives the same decision.
+pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
+    let now = input.now_ms;
+    let by_id: BTreeMap<&str, &Observed> = input
+        .members
+        .iter()
+        .map(|m| (m.node_id.as_str(), m))
+        .collect();
+    let eligible_count = input
+        .members
+        .iter()
+        .filter(|m| m.state == MemberState::Alive)
+        .count() as u32;
+    let settle_until = input.timing.changed_at_ms.saturating_add(cfg.settle_ms);
+    let max = cfg.max_nodes as usize;
+
+    let current: &[String] = input.current.as_deref().unwrap_or(&[]);
+    let in_current: BTreeSet<&str> = current.iter().map(String::as_str).collect();
+    let mut waiting: Vec<&Observed> = input
+        .members
+        .iter()
+        .filter(|m| m.state == MemberState::Alive && !in_current.contains(m.node_id.as_str()))
+        .collect();
+    waiting
+        .sort_by(|a, b| (a.joined_at, a.node_id.as_str()).cmp(&(b.joined_at, b.node_id.as_str())));
+
+    let below_min = |present: u32| -> Decision {
+        let since = input.timing.below_min_since_ms.unwrap_or(now);
+        let deadline = since.saturating_add(cfg.below_min_timeout_ms);
+        if now >= deadline {
+            Decision::Fail {
+                reason: Reason::BelowMinTimeout {
+                    present,
+                    min: cfg.min_nodes,
+                    waited_ms: now - since,
+                },
+            }
+        } else {
+            Decision::Wait {
+                until_ms: deadline,
+                reason: Reason::BelowMin {
+                    present,
+                    min: cfg.min_nodes,
+                },
+            }
+        }
+    };
+    // Freeze `members` at once at max, after the settle window otherwise.
+    let freeze_settled = |members: Vec<String>, reason: Reason| -> Decision {
+        if members.len() >= max || now >= settle_until {
+            let reason = if members.len() >= max && input.current.is_none() {
+                Reason::AtMax
+            } else {
+                reason
+            };
+            Decision::Freeze { members, reason }
+        } else {
+            Decision::Wait {
+                until_ms: settle_until,
+                reason: Reason::Settling,
+            }
+        }
+    };
+
+    if input.current.is_none() {
+        if eligible_count < cfg.min_nodes {
+            return below_min(eligible_count);
+        }
+        let members: Vec<String> = waiting
+            .iter()
+            .take(max)
+            .map(|m| m.node_id.clone())
+            .collect();
+        return freeze_settled(members, Reason::Settled);
+    }
+
+    let lost: Vec<String> = current
+        .iter()
+        .filter(|id| !by_id.contains_key(id.as_str()))
+        .cloned()
+        .collect();
+    // A generation below `min` (only possible when `min` was raised between runs) is re-formed
+    // like one that lost members.
+    let undersized = (current.len() as u32) < cfg.min_nodes;
+    if !lost.is_empty() || undersized {
+        let mut members: Vec<String> = current
+            .iter()
+            .filter(|id| matches!(by_id.get(id.as_str()), Some(m) if m.state == MemberState::Alive))
+            .cloned()
+            .collect();
+        members.extend(waiting.iter().map(|m| m.node_id.clone()));
+        members.truncate(max);
+        if (members.len() as u32) < cfg.min_nodes {
+            return below_min(eligible_count);
+        }
+        if members.as_slice() == current {
+            // Nothing to gain from a restart: the same members, still below `min`.
+            return below_min(eligible_count);
+        }
+        let reason = if lost.is_empty() {
+            Reason::Undersized {
+                size: current.len() as u32,
+                min: cfg.min_nodes,
+            }
+        } else {
+            Reason::MembersLost { lost }
+        };
+        return freeze_settled(members, reason);
+    }
+
+    let draining: Vec<String> = current
+        .iter()
+        .filter(|id| matches!(by_id.get(id.as_str()), Some(m) if m.state == MemberState::Draining))
+        .cloned()
+        .collect();
+    if !draining.is_empty() {
+        return Decision::Keep {
+            reason: Reason::Draining { nodes: draining },
+        };
+    }
+    if waiting.is_empty() {
+        return Decision::Keep {
+            reason: Reason::Stable,
+        };
+    }
+    let free_slots = max.saturating_sub(current.len());
+    if free_slots == 0 {
+        return Decision::Keep {
+            reason: Reason::Full {
+                waiting: waiting.len() as u32,
+            },
+        };
+    }
+    let admitted: Vec<&Observed> = match cfg.join_policy {
+        JoinPolicy::Immediate => waiting.iter().take(free_slots).copied().collect(),
+        JoinPolicy::AfterCommit => {
+            let eligible: Vec<&Observed> = match input.last_commit {
+                Some(c) => waiting
+                    .iter()
+                    .filter(|m| m.joined_at <= c.at)
+                    .take(free_slots)
+                    .copied()
+                    .collect(),
+                None => Vec::new(),
+            };
+            if eligible.is_empty() {
+                return Decision::Keep {
+                    reason: Reason::AwaitingCommit {
+                        waiting: waiting.len() as u32,
+                    },
+                };
+            }
+            eligible
+        }
+        JoinPolicy::Waiting(k) => {
+            if (waiting.len() as u32) < k && waiting.len() < free_slots {
+                return Decision::Keep {
+                    reason: Reason::AwaitingJoiners {
+                        waiting: waiting.len() as u32,
+                        k,
+                    },
+                };
+            }
+            waiting.iter().take(free_slots).copied().collect()
+        }
+    };
+    let admitted_ids: Vec<String> = admitted.iter().map(|m| m.node_id.clone()).collect();
+    let mut members: Vec<String> = current.to_vec();
+    members.extend(admitted_ids.iter().cloned());
+    freeze_settled(
+        members,
+        Reason::ScaleUp {
+            admitted: admitted_ids,
+        },
+    )
+}
+
+/// Derives [`Timing`] from successive observations: the adapter calls [`Tracker::observe`]
+/// with every new view of the members and passes the result to [`decide`].
+#[derive(Debug, Clone, Default)]
+pub struct Tracker {
+    last: Option<BTreeMap<String, MemberState>>,
+    timing: Timing,
+}
+
+impl Tracker {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn observe(&mut self, now_ms: u64, members: &[Observed], min_nodes: u32) -> Timing {
+        let view: BTreeMap<String, MemberState> = members
+            .iter()
+            .map(|m| (m.node_id.clone(), m.state))
+            .collect();
+        if self.last.as_ref() != Some(&view) {
+            self.timing.changed_at_ms = now_ms;
+            self.last = Some(view);
+        }
+        let eligible = members
+            .iter()
+            .filter(|m| m.state == MemberState::Alive)
+            .count() as u32;
+        if eligible < min_nodes {
+            self.timing.below_min_since_ms.get_or_insert(now_ms);
+        } else {
+            self.timing.below_min_since_ms = None;
+        }
+        self.timing
+    }
+}

@@ -1,0 +1,152 @@
+//! Single etcd operations with their fencing conditions. Each is bounded by a timeout and maps
+//! errors into [`Error`] with the key it touched.
+
+use std::future::Future;
+use std::time::Duration;
+
+use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp};
+
+use crate::keys::Keys;
+use crate::record::{self, CommitRecord, Generation, LeaderRecord, WaitingRecord};
+use crate::{Error, Result};
+
+/// Runs one etcd call with a deadline.
+pub(crate) async fn bounded<T>(
+    op: &'static str,
+    key: &str,
+    timeout_ms: u64,
+    fut: impl Future<Output = std::result::Result<T, etcd_client::Error>>,
+) -> Result<T> {
+    match tokio::time::timeout(Duration::from_millis(timeout_ms), fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(Error::etcd(op, key, e)),
+        Err(_) => Err(Error::Timeout {
+            op,
+            after_ms: timeout_ms,
+        }),
+    }
+}
+
+/// Tries to become the leader: a create-only put of the leader key attached to `lease_id`.
+/// Returns whether this node now leads.
+pub async fn campaign(
+    client: &mut Client,
+    keys: &Keys,
+    node_id: &str,
+    lease_id: i64,
+    timeout_ms: u64,
+) -> Result<bool> {
+    let key = keys.leader();
+    let value = record::encode(&LeaderRecord {
+        version: record::RECORD_VERSION,
+        node_id: node_id.to_string(),
+        lease_id,
+    });
+    let txn = Txn::new()
+        .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+        .and_then([TxnOp::put(
+            key.clone(),
+            value,
+            Some(PutOptions::new().with_lease(lease_id)),
+        )]);
+    let resp = bounded("campaign", &key, timeout_ms, client.txn(txn)).await?;
+    Ok(resp.succeeded())
+}
+
+/// The leader's fenced generation write. It succeeds only while the leader key is attached to
+/// `leader_lease_id` and the generation key's mod revision is still `prev_mod_revision` (0 when
+/// the key is absent). Returns the new mod revision; a deposed leader gets
+/// [`Error::NotLeader`].
+pub async fn write_generation(
+    client: &mut Client,
+    keys: &Keys,
+    node_id: &str,
+    leader_lease_id: i64,
+    prev_mod_revision: i64,
+    generation: &Generation,
+    timeout_ms: u64,
+) -> Result<i64> {
+    let key = keys.generation();
+    // Check before writing: never put a record a reader would reject.
+    generation.validate(&key)?;
+    let txn = Txn::new()
+        .when([
+            Compare::lease(keys.leader(), CompareOp::Equal, leader_lease_id),
+            Compare::mod_revision(key.clone(), CompareOp::Equal, prev_mod_revision),
+        ])
+        .and_then([
+            TxnOp::put(
+                key.clone(),
+                record::encode(generation),
+                Some(PutOptions::new().with_lease(leader_lease_id)),
+            ),
+            // A new generation ends any "waiting below min" notice.
+            TxnOp::delete(keys.waiting(), None),
+        ]);
+    let resp = bounded("write generation", &key, timeout_ms, client.txn(txn)).await?;
+    if !resp.succeeded() {
+        return Err(Error::NotLeader {
+            job: keys.prefix().to_string(),
+            node: node_id.to_string(),
+            key,
+        });
+    }
+    Ok(resp.header().map(|h| h.revision()).unwrap_or(0))
+}
+
+/// Puts the commit record under the current leader's lease, fenced on that leader and on the
+/// commit key's mod revision (so a concurrent writer of an older step cannot overwrite it).
+pub(crate) async fn write_commit(
+    client: &mut Client,
+    keys: &Keys,
+    leader: &LeaderRecord,
+    prev_mod_revision: i64,
+    commit: &CommitRecord,
+    timeout_ms: u64,
+) -> Result<bool> {
+    let key = keys.commit();
+    let txn = Txn::new()
+        .when([
+            Compare::lease(keys.leader(), CompareOp::Equal, leader.lease_id),
+            Compare::mod_revision(key.clone(), CompareOp::Equal, prev_mod_revision),
+        ])
+        .and_then([TxnOp::put(
+            key.clone(),
+            record::encode(commit),
+            Some(PutOptions::new().with_lease(leader.lease_id)),
+        )]);
+    let resp = bounded("write commit", &key, timeout_ms, client.txn(txn)).await?;
+    Ok(resp.succeeded())
+}
+
+/// Puts the leader's waiting notice, fenced on leadership.
+pub(crate) async fn write_waiting(
+    client: &mut Client,
+    keys: &Keys,
+    leader_lease_id: i64,
+    waiting: &WaitingRecord,
+    timeout_ms: u64,
+) -> Result<bool> {
+    let key = keys.waiting();
+    let txn = Txn::new()
+        .when([Compare::lease(
+            keys.leader(),
+            CompareOp::Equal,
+            leader_lease_id,
+        )])
+        .and_then([TxnOp::put(
+            key.clone(),
+            record::encode(waiting),
+            Some(PutOptions::new().with_lease(leader_lease_id)),
+        )]);
+    let resp = bounded("write waiting", &key, timeout_ms, client.txn(txn)).await?;
+    Ok(resp.succeeded())
+}
+
+/// Milliseconds since the Unix epoch (wall clock, for records other hosts read).
+pub(crate) fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

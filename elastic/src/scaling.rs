@@ -1,0 +1,226 @@
+//! The scaling policy: learning rate, global batch and gradient accumulation for a world size.
+//!
+//! Pure and deterministic. With per-worker batch `b`, world size `W` (processes) and base world
+//! size `W0`:
+//! - `linear`: LR x W/W0; `sqrt`: LR x sqrt(W/W0); `none`: LR unchanged. The global batch is
+//!   `b x W` and there is no accumulation.
+//! - `fixed`: the global batch `B` stays constant, LR is untouched, and
+//!   `b' x W x accum = B` where `b' <= b`. When no exact split exists, `Nearest` picks the
+//!   configuration whose global batch is closest to `B` (ties: the larger per-worker batch, then
+//!   fewer accumulation steps) and says so in `note`; `Refuse` returns [`Error::Indivisible`].
+//! - Warm-up: when the LR differs from the previous generation's (or from the base LR for the
+//!   first generation), `warmup_steps` ramps it in over the configured steps; otherwise 0.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// Per-worker batches above this are rejected: the `fixed` search is linear in `b`.
+pub const PER_WORKER_BATCH_MAX: u64 = 1 << 20;
+
+/// How the learning rate follows the world size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScalingMode {
+    Linear,
+    Sqrt,
+    None,
+    Fixed,
+}
+
+impl std::str::FromStr for ScalingMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "linear" => Ok(Self::Linear),
+            "sqrt" => Ok(Self::Sqrt),
+            "none" => Ok(Self::None),
+            "fixed" => Ok(Self::Fixed),
+            other => Err(Error::InvalidConfig {
+                field: "lr_scaling",
+                reason: format!("{other:?} is not one of linear, sqrt, none, fixed"),
+            }),
+        }
+    }
+}
+
+/// What `fixed` does when the global batch cannot be split exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnIndivisible {
+    Nearest,
+    Refuse,
+}
+
+/// The job-wide scaling configuration (fixed for the job's life).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScalingConfig {
+    pub mode: ScalingMode,
+    /// Per-worker (per-process) batch `b`.
+    pub per_worker_batch: u64,
+    /// Base world size `W0` (processes) at which `base_lr` was tuned.
+    pub base_world_size: u64,
+    pub base_lr: f64,
+    /// Global batch `B` for `fixed`; ignored otherwise.
+    pub global_batch: Option<u64>,
+    pub on_indivisible: OnIndivisible,
+    /// Steps over which the LR ramps after it changes; `None` for no warm-up.
+    pub warmup_steps: Option<u64>,
+}
+
+/// The scaling for one generation. Travels in the generation record; workers read it from
+/// the `ELASTIC_*` environment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScalingDecision {
+    pub lr_scale: f64,
+    pub lr: f64,
+    pub global_batch: u64,
+    pub grad_accum_steps: u64,
+    pub per_worker_batch: u64,
+    pub warmup_steps: u64,
+    /// Human-readable account of any adjustment; empty when none.
+    pub note: String,
+}
+
+impl ScalingDecision {
+    /// The `ELASTIC_*` environment pairs the agent exports to workers.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("ELASTIC_LR_SCALE", self.lr_scale.to_string()),
+            ("ELASTIC_LR", self.lr.to_string()),
+            ("ELASTIC_GLOBAL_BATCH", self.global_batch.to_string()),
+            (
+                "ELASTIC_GRAD_ACCUM_STEPS",
+                self.grad_accum_steps.to_string(),
+            ),
+            ("ELASTIC_BATCH_SIZE", self.per_worker_batch.to_string()),
+            ("ELASTIC_WARMUP_STEPS", self.warmup_steps.to_string()),
+        ]
+    }
+}
+
+impl ScalingConfig {
+    /// Checks the configuration alone (no world size).
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Err(Error::InvalidScaling { reason });
+        if self.per_worker_batch == 0 || self.per_worker_batch > PER_WORKER_BATCH_MAX {
+            return bad(format!(
+                "per-worker batch {} outside 1..={PER_WORKER_BATCH_MAX}",
+                self.per_worker_batch
+            ));
+        }
+        if self.base_world_size == 0 {
+            return bad("base world size is 0".into());
+        }
+        if !(self.base_lr.is_finite() && self.base_lr >= 0.0) {
+            return bad(format!(
+                "base LR {} is not a finite non-negative number",
+                self.base_lr
+            ));
+        }
+        if self.mode == ScalingMode::Fixed && !matches!(self.global_batch, Some(b) if b > 0) {
+            return bad("fixed scaling needs a global batch above 0".into());
+        }
+        Ok(())
+    }
+
+    /// The decision for `world_size` processes; `previous_world_size` is the last generation's
+    /// (`None` for the first), used to decide whether the LR changed and a warm-up applies.
+    pub fn decide(
+        &self,
+        world_size: u64,
+        previous_world_size: Option<u64>,
+    ) -> Result<ScalingDecision> {
+        self.validate()?;
+        if world_size == 0 {
+            return Err(Error::InvalidScaling {
+                reason: "world size is 0".into(),
+            });
+        }
+        let b = self.per_worker_batch;
+        let lr_scale = self.lr_scale(world_size);
+        let (per_worker_batch, grad_accum_steps, global_batch, note) = match self.mode {
+            ScalingMode::Fixed => {
+                let target = self.global_batch.unwrap_or(0);
+                self.fixed_split(target, world_size)?
+            }
+            _ => (b, 1, b.saturating_mul(world_size), String::new()),
+        };
+        let previous_scale = previous_world_size
+            .filter(|w| *w > 0)
+            .map(|w| self.lr_scale(w))
+            .unwrap_or(1.0);
+        let warmup_steps = match self.warmup_steps {
+            Some(n) if (lr_scale - previous_scale).abs() > 1e-12 => n,
+            _ => 0,
+        };
+        Ok(ScalingDecision {
+            lr_scale,
+            lr: self.base_lr * lr_scale,
+            global_batch,
+            grad_accum_steps,
+            per_worker_batch,
+            warmup_steps,
+            note,
+        })
+    }
+
+    fn lr_scale(&self, world_size: u64) -> f64 {
+        let ratio = world_size as f64 / self.base_world_size as f64;
+        match self.mode {
+            ScalingMode::Linear => ratio,
+            ScalingMode::Sqrt => ratio.sqrt(),
+            ScalingMode::None | ScalingMode::Fixed => 1.0,
+        }
+    }
+
+    /// `(per_worker_batch, accum, global_batch, note)` for `fixed`.
+    fn fixed_split(&self, target: u64, world: u64) -> Result<(u64, u64, u64, String)> {
+        let b = self.per_worker_batch;
+        // Exact split with the configured per-worker batch: the common case.
+        let full = b.saturating_mul(world);
+        if target.is_multiple_of(full) {
+            return Ok((b, target / full, target, String::new()));
+        }
+        // Search every per-worker batch b' <= b for the closest global batch.
+        let mut best: Option<(u64, u64, u64, u64)> = None; // (distance, b', accum, global)
+        for bp in (1..=b).rev() {
+            let step = bp.saturating_mul(world);
+            let accum = ((target + step / 2) / step).max(1);
+            let global = step.saturating_mul(accum);
+            let distance = global.abs_diff(target);
+            let better = match best {
+                None => true,
+                Some((d, _, a, _)) => distance < d || (distance == d && accum < a),
+            };
+            if better {
+                best = Some((distance, bp, accum, global));
+            }
+            if distance == 0 {
+                break;
+            }
+        }
+        let (distance, bp, accum, global) = best.expect("b >= 1 gives one candidate");
+        if distance == 0 {
+            let note = format!(
+                "per-worker batch lowered from {b} to {bp} so that {bp} x {world} x {accum} = {target}"
+            );
+            return Ok((bp, accum, global, note));
+        }
+        match self.on_indivisible {
+            OnIndivisible::Refuse => Err(Error::Indivisible {
+                global_batch: target,
+                per_worker_batch: b,
+                world_size: world,
+            }),
+            OnIndivisible::Nearest => Ok((
+                bp,
+                accum,
+                global,
+                format!(
+                    "global batch {target} cannot be split over {world} workers with per-worker batch <= {b}; using nearest {global} = {bp} x {world} x {accum}"
+                ),
+            )),
+        }
+    }
+}

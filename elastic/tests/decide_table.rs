@@ -1,0 +1,164 @@
+//! Drives the pure decision core with the cases in `testdata/decide.json`.
+
+use elastic::core::{
+    CommitInfo, CoreConfig, Decision, Input, JoinPolicy, MemberState, Observed, Timing, Tracker,
+    decide,
+};
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Case {
+    name: String,
+    #[serde(default)]
+    min: Option<u32>,
+    #[serde(default)]
+    max: Option<u32>,
+    #[serde(default)]
+    policy: Option<JoinPolicy>,
+    now: u64,
+    members: Vec<(String, MemberState, u64)>,
+    #[serde(default)]
+    current: Option<Vec<String>>,
+    /// `[step, at]`
+    #[serde(default)]
+    commit: Option<(u64, u64)>,
+    #[serde(default)]
+    changed_at: u64,
+    #[serde(default)]
+    below_min_since: Option<u64>,
+    expect: Decision,
+}
+
+/// The defaults every case starts from: 2..=4 nodes, 1 s settle, 10 s below-min timeout.
+fn config(case: &Case) -> CoreConfig {
+    CoreConfig {
+        min_nodes: case.min.unwrap_or(2),
+        max_nodes: case.max.unwrap_or(4),
+        settle_ms: 1_000,
+        join_policy: case.policy.unwrap_or(JoinPolicy::Immediate),
+        below_min_timeout_ms: 10_000,
+    }
+}
+
+#[test]
+fn decision_table() {
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/decide.json"))
+            .expect("read testdata/decide.json");
+    let cases: Vec<Case> = serde_json::from_str(&text).expect("parse testdata/decide.json");
+    assert!(cases.len() >= 25, "the table lost cases: {}", cases.len());
+    let mut failures = Vec::new();
+    for case in &cases {
+        let cfg = config(case);
+        cfg.validate().expect("valid config");
+        let input = Input {
+            now_ms: case.now,
+            members: case
+                .members
+                .iter()
+                .map(|(id, state, joined)| Observed {
+                    node_id: id.clone(),
+                    state: *state,
+                    joined_at: *joined,
+                })
+                .collect(),
+            current: case.current.clone(),
+            last_commit: case.commit.map(|(step, at)| CommitInfo { step, at }),
+            timing: Timing {
+                changed_at_ms: case.changed_at,
+                below_min_since_ms: case.below_min_since,
+            },
+        };
+        let got = decide(&cfg, &input);
+        if got != case.expect {
+            failures.push(format!(
+                "{}:\n  expected {:?}\n  got      {:?}",
+                case.name, case.expect, got
+            ));
+        }
+        // Same input, same answer: the core keeps no hidden state.
+        assert_eq!(
+            decide(&cfg, &input),
+            got,
+            "{} is not deterministic",
+            case.name
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn every_reason_has_a_message() {
+    let cfg = CoreConfig {
+        min_nodes: 1,
+        max_nodes: 2,
+        settle_ms: 0,
+        join_policy: JoinPolicy::Immediate,
+        below_min_timeout_ms: 0,
+    };
+    let input = Input {
+        now_ms: 0,
+        members: vec![],
+        current: None,
+        last_commit: None,
+        timing: Timing::default(),
+    };
+    let d = decide(&cfg, &input);
+    assert!(matches!(d, Decision::Fail { .. }), "{d:?}");
+    assert!(d.reason().to_string().contains("below min"));
+}
+
+#[test]
+fn config_rejects_bad_ranges() {
+    let mut cfg = CoreConfig {
+        min_nodes: 0,
+        max_nodes: 2,
+        settle_ms: 0,
+        join_policy: JoinPolicy::Immediate,
+        below_min_timeout_ms: 0,
+    };
+    assert!(cfg.validate().is_err());
+    cfg.min_nodes = 3;
+    assert!(cfg.validate().is_err());
+    cfg.min_nodes = 1;
+    cfg.join_policy = JoinPolicy::Waiting(0);
+    assert!(cfg.validate().is_err());
+    cfg.join_policy = JoinPolicy::Waiting(1);
+    assert!(cfg.validate().is_ok());
+}
+
+fn obs(id: &str, state: MemberState) -> Observed {
+    Observed {
+        node_id: id.into(),
+        state,
+        joined_at: 0,
+    }
+}
+
+#[test]
+fn tracker_moves_changed_at_only_on_membership_changes() {
+    let mut t = Tracker::new();
+    let ab = [obs("a", MemberState::Alive), obs("b", MemberState::Alive)];
+    assert_eq!(t.observe(100, &ab, 2).changed_at_ms, 100);
+    assert_eq!(t.observe(200, &ab, 2).changed_at_ms, 100, "same view");
+    let ab_drain = [
+        obs("a", MemberState::Alive),
+        obs("b", MemberState::Draining),
+    ];
+    let timing = t.observe(300, &ab_drain, 2);
+    assert_eq!(timing.changed_at_ms, 300, "a state change is a change");
+    assert_eq!(
+        timing.below_min_since_ms,
+        Some(300),
+        "draining is not eligible"
+    );
+    assert_eq!(
+        t.observe(400, &ab_drain, 2).below_min_since_ms,
+        Some(300),
+        "keeps the first time"
+    );
+    let timing = t.observe(500, &ab, 2);
+    assert_eq!(timing.below_min_since_ms, None, "back at min");
+    assert_eq!(timing.changed_at_ms, 500);
+}

@@ -1,0 +1,137 @@
+"""Data-parallel training of a small MLP regression under elastic-run.
+
+    elastic-run --standalone --nproc-per-node 2 --checkpoint-interval 20 --lr-scaling linear \
+        -- python examples/ddp_train.py --steps 200
+
+- Data is generated from --seed; the sample order is a function of how many samples the job has
+  consumed (saved in every checkpoint), so any world size continues the same stream.
+- Checkpoints model, optimizer, RNG state and data position through elastic_run; resumes from
+  ELASTIC_RESUME_DIR when the agent sets it.
+- gloo on CPU, NCCL on GPU; honours ELASTIC_LR (via scaled_lr) and grad accumulation.
+"""
+import argparse
+import hashlib
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+try:
+    import elastic_run as er
+except ImportError:  # running from a clone without `pip install ./runtime/python`
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "runtime", "python"))
+    import elastic_run as er
+
+N_SAMPLES = 8192
+N_FEATURES = 16
+
+
+def dataset(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N_SAMPLES, N_FEATURES, generator=g)
+    w = torch.randn(N_FEATURES, 1, generator=g)
+    y = torch.sin(x @ w) + 0.1 * torch.randn(N_SAMPLES, 1, generator=g)
+    return x, y
+
+
+def sample_ids(seed, start, count):
+    """Ids of samples start..start+count of the job's stream: epoch e is permutation (seed, e)."""
+    out = []
+    pos = start
+    while len(out) < count:
+        epoch, off = divmod(pos, N_SAMPLES)
+        perm = torch.randperm(N_SAMPLES, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        take = min(count - len(out), N_SAMPLES - off)
+        out.extend(perm[off:off + take].tolist())
+        pos += take
+    return torch.tensor(out)
+
+
+def weights_digest(model):
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=0.05, help="base LR, scaled by elastic-run's --lr-scaling")
+    p.add_argument("--batch-size", type=int, default=None, help="per worker (default: ELASTIC_BATCH_SIZE or 32)")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (tests)")
+    args = p.parse_args()
+
+    backend = er.init()
+    rank, world = er.rank(), er.world_size()
+    device = torch.device("cuda", er.local_rank()) if backend == "nccl" else torch.device("cpu")
+    batch = args.batch_size or er.batch_size(32)
+    accum = er.grad_accum_steps()
+
+    torch.manual_seed(args.seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(N_FEATURES, args.hidden), torch.nn.Tanh(),
+        torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh(),
+        torch.nn.Linear(args.hidden, 1),
+    ).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    x_all, y_all = dataset(args.seed)
+
+    step, samples_seen = 0, 0
+    resumed = er.load(model=model, optimizer=opt)
+    if resumed is not None:
+        step, extra = resumed
+        samples_seen = int(extra["samples_seen"])
+        torch.set_rng_state(extra["rng"])
+        if rank == 0:
+            print(f"resumed from step {step} (samples_seen {samples_seen}, saved at world {extra.get('world_size')})", flush=True)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
+
+    saved_step = step
+    while step < args.steps:
+        step += 1
+        lr = er.scaled_lr(args.lr, step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        global_batch = batch * world * accum
+        ids = sample_ids(args.seed, samples_seen, global_batch)
+        opt.zero_grad()
+        total = 0.0
+        for a in range(accum):
+            micro = ids[(a * world + rank) * batch:(a * world + rank + 1) * batch]
+            x, y = x_all[micro].to(device), y_all[micro].to(device)
+            loss = torch.nn.functional.mse_loss(ddp(x), y) / accum
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        samples_seen += global_batch
+        if rank == 0:
+            print(f"step {step} loss {total:.6f} lr {lr:.6g} world {world} accum {accum}", flush=True)
+        er.report_progress(step)
+        stop = er.should_stop(step)
+        if stop or er.should_checkpoint(step) or step == args.steps:
+            er.save(step, model=model, optimizer=opt,
+                    extra={"samples_seen": samples_seen, "rng": torch.get_rng_state(), "world_size": world})
+            saved_step = step
+            if rank == 0:
+                print(f"saved step {step}", flush=True)
+        if stop:
+            if rank == 0:
+                print(f"stopping at step {step} (drain)", flush=True)
+            break
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+
+    if rank == 0:
+        print(f"done step {step} saved {saved_step} weights {weights_digest(model)}", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,553 @@
+"""Worker side of elastic-run.
+
+Reads the environment the agent sets (torchrun's variables plus ``ELASTIC_*``), talks to the
+agent over ``$ELASTIC_AGENT_SOCKET`` (newline-delimited JSON, see the runtime crate's
+``agent_socket`` module), and writes snapshots as safetensors into ``$ELASTIC_STAGING_DIR``.
+
+Typical loop::
+
+    import elastic_run as er
+    er.init()
+    start, extra = er.load(model=model, optimizer=opt) or (0, {})
+    for step in range(start + 1, steps + 1):
+        train_one_step(lr=er.scaled_lr(base_lr, step))
+        er.report_progress(step)
+        stop = er.should_stop(step)
+        if stop or er.should_checkpoint(step):
+            er.save(step, model=model, optimizer=opt, extra={...})
+        if stop:
+            break
+
+Snapshot layout (one directory per rank, written under a temporary name and renamed)::
+
+    $ELASTIC_STAGING_DIR/step-<N>/rank-<R>/tensors.safetensors   this rank's share of the tensors
+    $ELASTIC_STAGING_DIR/step-<N>/rank-<R>/meta.json             step, world size, keys; rank 0
+                                                                 also the non-tensor state
+
+Replicated (DDP) state is split between ranks by bytes, so each byte is written once; ``load``
+reads every rank's share, so a checkpoint can be loaded at any world size.
+
+torch is optional: the environment helpers work without it.
+"""
+
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+
+__all__ = [
+    "init",
+    "rank",
+    "local_rank",
+    "world_size",
+    "local_world_size",
+    "generation",
+    "scaled_lr",
+    "lr_scale",
+    "batch_size",
+    "grad_accum_steps",
+    "global_batch",
+    "warmup_steps",
+    "resume_step",
+    "checkpoint_interval",
+    "should_checkpoint",
+    "should_stop",
+    "save",
+    "load",
+    "report_progress",
+    "assign_keys",
+]
+
+FORMAT_VERSION = 1
+# Must match the agent's MESSAGE_BYTES_MAX.
+MESSAGE_BYTES_MAX = 64 * 1024
+# Progress reports are rate-limited: the watchdog works in seconds, not steps.
+PROGRESS_INTERVAL_S = 0.1
+SOCKET_TIMEOUT_S = 30.0
+
+_TENSORS = "tensors.safetensors"
+_META = "meta.json"
+
+
+def _env_int(name, default=None):
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not an integer") from None
+
+
+def _env_float(name, default=None):
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not a number") from None
+
+
+def rank():
+    return _env_int("RANK", 0)
+
+
+def local_rank():
+    return _env_int("LOCAL_RANK", 0)
+
+
+def world_size():
+    return _env_int("WORLD_SIZE", 1)
+
+
+def local_world_size():
+    return _env_int("LOCAL_WORLD_SIZE", 1)
+
+
+def generation():
+    return _env_int("ELASTIC_GENERATION", 0)
+
+
+def lr_scale():
+    return _env_float("ELASTIC_LR_SCALE", 1.0)
+
+
+def batch_size(default=None):
+    """Per-worker batch (``--batch-size``), or ``default``."""
+    return _env_int("ELASTIC_BATCH_SIZE", default)
+
+
+def grad_accum_steps():
+    return max(1, _env_int("ELASTIC_GRAD_ACCUM_STEPS", 1))
+
+
+def global_batch(default=None):
+    return _env_int("ELASTIC_GLOBAL_BATCH", default)
+
+
+def warmup_steps():
+    return max(0, _env_int("ELASTIC_WARMUP_STEPS", 0))
+
+
+def resume_step():
+    """The committed step this generation resumes from, or None."""
+    return _env_int("ELASTIC_RESUME_STEP", None)
+
+
+def checkpoint_interval():
+    return max(0, _env_int("ELASTIC_CHECKPOINT_INTERVAL", 0))
+
+
+def scaled_lr(base, step=None):
+    """``base`` scaled for the current world size.
+
+    With ``--warmup-steps W`` and a ``step``, the scale ramps linearly from 1 to its target over
+    the first W steps after the resume step, so a rescale does not jolt the optimizer.
+    """
+    scale = lr_scale()
+    w = warmup_steps()
+    if step is None or w == 0 or scale == 1.0:
+        return base * scale
+    start = resume_step() or 0
+    frac = min(1.0, max(0.0, (step - start) / w))
+    return base * (1.0 + (scale - 1.0) * frac)
+
+
+# --- agent connection -------------------------------------------------------------------------
+
+
+class AgentError(RuntimeError):
+    """The agent refused a request."""
+
+
+class _Agent:
+    def __init__(self, path):
+        self.path = path
+        self.sock = None
+        self.buf = b""
+
+    def _connect(self):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(SOCKET_TIMEOUT_S)
+        s.connect(self.path)
+        self.sock = s
+        self.buf = b""
+
+    def request(self, obj):
+        line = json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+        if len(line) > MESSAGE_BYTES_MAX:
+            raise AgentError(f"message of {len(line)} bytes exceeds {MESSAGE_BYTES_MAX}")
+        for attempt in (0, 1):
+            try:
+                if self.sock is None:
+                    self._connect()
+                self.sock.sendall(line)
+                return self._read_reply()
+            except OSError:
+                # One reconnect: the agent may have closed an idle connection.
+                self.close()
+                if attempt == 1:
+                    raise
+
+    def _read_reply(self):
+        while b"\n" not in self.buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("agent closed the connection")
+            self.buf += chunk
+            if len(self.buf) > MESSAGE_BYTES_MAX:
+                raise AgentError("reply from agent too long")
+        line, _, self.buf = self.buf.partition(b"\n")
+        reply = json.loads(line)
+        if not isinstance(reply, dict):
+            raise AgentError(f"malformed reply {line!r}")
+        if reply.get("type") == "error":
+            raise AgentError(reply.get("message", "agent error"))
+        return reply
+
+    def close(self):
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+        self.sock = None
+
+
+_agent = None
+_last_progress = 0.0
+# A checkpoint step the agent asked for and not yet honoured, and the last request seen (the
+# agent repeats its request in every reply until a newer one replaces it).
+_checkpoint_at = None
+_checkpoint_request_seen = None
+
+
+def _agent_conn():
+    """The agent connection, or None when not running under elastic-run."""
+    global _agent
+    path = os.environ.get("ELASTIC_AGENT_SOCKET")
+    if not path:
+        return None
+    if _agent is None or _agent.path != path:
+        _agent = _Agent(path)
+    return _agent
+
+
+def _reset_for_tests():
+    global _agent, _last_progress, _checkpoint_at, _checkpoint_request_seen
+    if _agent is not None:
+        _agent.close()
+    _agent = None
+    _last_progress = 0.0
+    _checkpoint_at = None
+    _checkpoint_request_seen = None
+
+
+def report_progress(step, force=False):
+    """Tells the agent this rank finished ``step`` (feeds the hang watchdog). Rate-limited."""
+    global _last_progress
+    conn = _agent_conn()
+    if conn is None:
+        return
+    now = time.monotonic()
+    if not force and now - _last_progress < PROGRESS_INTERVAL_S:
+        return
+    _last_progress = now
+    conn.request({"type": "progress", "rank": rank(), "step": int(step)})
+
+
+# --- torch.distributed ------------------------------------------------------------------------
+
+
+def _dist():
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not dist.is_available():
+        return None
+    return dist
+
+
+def init(backend=None, **kwargs):
+    """Initializes ``torch.distributed`` from the environment if not done yet.
+
+    gloo on CPU, nccl when CUDA is available (and the device is set to LOCAL_RANK). Returns the
+    backend in use, or None without torch.distributed or outside a multi-process job.
+    """
+    dist = _dist()
+    if dist is None:
+        return None
+    if dist.is_initialized():
+        return dist.get_backend()
+    if "MASTER_ADDR" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    import torch
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank())
+    dist.init_process_group(backend=backend, init_method="env://", **kwargs)
+    return backend
+
+
+def _all_reduce_max(values):
+    """Element-wise MAX of a short int list across all ranks: the one collective per step."""
+    dist = _dist()
+    if dist is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    import torch
+
+    device = "cpu"
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(x) for x in t.tolist()]
+
+
+def should_stop(step):
+    """Whether every rank should save ``step`` and exit (the agent is draining).
+
+    Local rank 0 of each node asks its agent; one tiny all-reduce (MAX) makes every rank agree,
+    so all ranks call this at the same steps. It also learns the step the agent wants a
+    checkpoint at, which :func:`should_checkpoint` then honours.
+    """
+    global _checkpoint_at, _checkpoint_request_seen
+    stop, ckpt = 0, 0
+    conn = _agent_conn()
+    if conn is not None and local_rank() == 0:
+        reply = conn.request({"type": "query"})
+        stop = 1 if reply.get("should_stop") else 0
+        at = reply.get("should_checkpoint_at")
+        ckpt = int(at) + 1 if isinstance(at, int) and at >= 0 else 0
+    stop, ckpt = _all_reduce_max([stop, ckpt])
+    if ckpt > 0 and ckpt - 1 != _checkpoint_request_seen:
+        _checkpoint_request_seen = ckpt - 1
+        _checkpoint_at = ckpt - 1
+    return bool(stop)
+
+
+def should_checkpoint(step):
+    """Whether ``step`` is a checkpoint step: every ``--checkpoint-interval`` steps, or the
+    step the agent asked for (learned by the last :func:`should_stop`). No collective."""
+    global _checkpoint_at
+    n = checkpoint_interval()
+    if n > 0 and step > 0 and step % n == 0:
+        return True
+    if _checkpoint_at is not None and step >= _checkpoint_at:
+        _checkpoint_at = None
+        return True
+    return False
+
+
+# --- snapshots --------------------------------------------------------------------------------
+
+
+def assign_keys(sizes, world):
+    """Splits tensors between ``world`` ranks by bytes: largest first, each to the rank with the
+    fewest bytes so far (ties to the lower rank). Deterministic, so every rank computes the same
+    split from the same replicated state. Returns ``{key: rank}``."""
+    if world < 1:
+        raise ValueError("world size must be at least 1")
+    load_bytes = [0] * world
+    out = {}
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        r = min(range(world), key=lambda i: (load_bytes[i], i))
+        out[key] = r
+        load_bytes[r] += sizes[key]
+    return out
+
+
+def _unwrap(model):
+    # DistributedDataParallel and DataParallel keep the real module in .module.
+    inner = getattr(model, "module", None)
+    if inner is not None and type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
+        return inner
+    return model
+
+
+def _is_tensor(v):
+    try:
+        import torch
+    except ImportError:
+        return False
+    return isinstance(v, torch.Tensor)
+
+
+def _flatten(model, optimizer, extra):
+    """Tensors by key, and the JSON-able rest."""
+    tensors, rest = {}, {}
+    if model is not None:
+        for k, v in _unwrap(model).state_dict().items():
+            tensors["model/" + k] = v
+    if optimizer is not None:
+        sd = optimizer.state_dict()
+        opt_json = {}
+        for idx, st in sd["state"].items():
+            for name, v in st.items():
+                if _is_tensor(v):
+                    tensors[f"optim/state/{idx}/{name}"] = v
+                else:
+                    opt_json.setdefault(str(idx), {})[name] = v
+        rest["optim_state"] = opt_json
+        rest["optim_param_groups"] = sd["param_groups"]
+    if extra is not None:
+        ej = {}
+        for k, v in extra.items():
+            if _is_tensor(v):
+                tensors["extra/" + k] = v
+            else:
+                ej[k] = v
+        rest["extra"] = ej
+    for k in tensors:
+        if "\n" in k or len(k) > 1024:
+            raise ValueError(f"tensor name {k!r} cannot be stored")
+    return tensors, rest
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(step, model=None, optimizer=None, extra=None):
+    """Writes this rank's share of the state for ``step`` into staging, then tells the agent.
+
+    ``extra`` is a dict of JSON values and tensors (RNG states, data position...). Every rank
+    must call this at the same step with the same replicated state. Returns the directory
+    written.
+    """
+    from safetensors.torch import save_file
+
+    staging = os.environ.get("ELASTIC_STAGING_DIR")
+    if not staging:
+        raise RuntimeError("ELASTIC_STAGING_DIR is not set: run under elastic-run")
+    step, r, w = int(step), rank(), world_size()
+    tensors, rest = _flatten(model, optimizer, extra)
+    owner = assign_keys({k: v.numel() * v.element_size() for k, v in tensors.items()}, w)
+    mine, seen = {}, set()
+    for k, v in tensors.items():
+        if owner[k] != r:
+            continue
+        t = v.detach().to("cpu").contiguous()
+        # safetensors refuses tensors sharing memory (tied weights): copy repeats.
+        ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else None
+        if ptr is not None and ptr in seen:
+            t = t.clone()
+        seen.add(ptr)
+        mine[k] = t
+    step_dir = os.path.join(staging, f"step-{step}")
+    final = os.path.join(step_dir, f"rank-{r}")
+    tmp = os.path.join(step_dir, f".rank-{r}.tmp-{os.getpid()}")
+    os.makedirs(step_dir, exist_ok=True)
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "rank": r,
+        "world_size": w,
+        "keys": sorted(mine),
+    }
+    if r == 0:
+        meta["state"] = rest
+    tpath = os.path.join(tmp, _TENSORS)
+    save_file(mine, tpath, metadata={"step": str(step), "rank": str(r)})
+    mpath = os.path.join(tmp, _META)
+    with open(mpath, "w") as f:
+        json.dump(meta, f)
+    for p in (tpath, mpath):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _fsync_dir(tmp)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(step_dir)
+    conn = _agent_conn()
+    if conn is not None:
+        conn.request({"type": "saved", "rank": r, "step": step, "dir": final})
+    return final
+
+
+def load(model=None, optimizer=None, resume_dir=None):
+    """Loads the committed step the agent resumes from (``$ELASTIC_RESUME_DIR``) into ``model``
+    and ``optimizer``, whatever world size saved it. Returns ``(step, extra)``, or None when
+    there is nothing to resume from."""
+    import torch
+    from safetensors import safe_open
+
+    d = resume_dir or os.environ.get("ELASTIC_RESUME_DIR")
+    if not d or not os.path.isdir(d):
+        return None
+    metas = {}
+    for name in os.listdir(d):
+        if name.startswith("rank-") and os.path.isdir(os.path.join(d, name)):
+            with open(os.path.join(d, name, _META)) as f:
+                m = json.load(f)
+            if m.get("format_version") != FORMAT_VERSION:
+                raise ValueError(f"{d}/{name}: unknown snapshot format {m.get('format_version')!r}")
+            metas[int(m["rank"])] = (name, m)
+    if not metas:
+        raise ValueError(f"{d}: no rank-* snapshot directories")
+    saved_world = metas[min(metas)][1]["world_size"]
+    steps = {m["step"] for _, m in metas.values()}
+    if sorted(metas) != list(range(saved_world)) or len(steps) != 1:
+        raise ValueError(
+            f"{d}: incomplete or mixed snapshot: ranks {sorted(metas)} of world {saved_world}, steps {sorted(steps)}"
+        )
+    step = steps.pop()
+    tensors = {}
+    for r, (name, m) in metas.items():
+        with safe_open(os.path.join(d, name, _TENSORS), framework="pt") as f:
+            keys = set(f.keys())
+            if keys != set(m["keys"]):
+                raise ValueError(f"{d}/{name}: tensors do not match meta.json")
+            for k in keys:
+                if k in tensors:
+                    raise ValueError(f"{d}: tensor {k!r} stored twice")
+                tensors[k] = f.get_tensor(k)
+    rest = metas[0][1].get("state", {})
+    if model is not None:
+        target = _unwrap(model)
+        sd = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+        target.load_state_dict(sd)
+    if optimizer is not None:
+        state = {}
+        for idx, st in rest.get("optim_state", {}).items():
+            state.setdefault(int(idx), {}).update(st)
+        for k, v in tensors.items():
+            if k.startswith("optim/state/"):
+                _, _, idx, name = k.split("/", 3)
+                state.setdefault(int(idx), {})[name] = v
+        optimizer.load_state_dict({"state": state, "param_groups": rest.get("optim_param_groups", [])})
+    extra = dict(rest.get("extra", {}))
+    for k, v in tensors.items():
+        if k.startswith("extra/"):
+            extra[k[len("extra/"):]] = v
+    del torch
+    return step, extra
+
+
+def _main(argv):
+    # `python -m elastic_run env`: print what this worker sees (debugging aid).
+    if argv[1:] == ["env"]:
+        keys = sorted(k for k in os.environ if k.startswith(("ELASTIC_", "TORCHELASTIC_")) or k in (
+            "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+            "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"))
+        print(json.dumps({k: os.environ[k] for k in keys}, sort_keys=True))
+        return 0
+    print("usage: python -m elastic_run env", file=sys.stderr)
+    return 2

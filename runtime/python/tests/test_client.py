@@ -1,0 +1,262 @@
+"""Unit tests for the elastic_run worker client: python -m unittest discover -s runtime/python/tests"""
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+import unittest
+from unittest import mock
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import elastic_run as er  # noqa: E402
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+class FakeAgent:
+    """A Unix-socket agent that records requests and answers like the real one."""
+
+    def __init__(self, path, should_stop=False, checkpoint_at=None, refuse_saved=False):
+        self.path = path
+        self.requests = []
+        self.should_stop = should_stop
+        self.checkpoint_at = checkpoint_at
+        self.refuse_saved = refuse_saved
+        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.srv.bind(path)
+        self.srv.listen(8)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._conn, args=(conn,), daemon=True).start()
+
+    def _conn(self, conn):
+        with conn, conn.makefile("rb") as f:
+            self._lines(conn, f)
+
+    def _lines(self, conn, f):
+        for line in f:
+            req = json.loads(line)
+            self.requests.append(req)
+            if req["type"] == "query":
+                rep = {"type": "state", "should_stop": self.should_stop,
+                       "should_checkpoint_at": self.checkpoint_at, "generation": 2}
+            elif req["type"] == "saved" and self.refuse_saved:
+                rep = {"type": "error", "message": "outside staging"}
+            else:
+                rep = {"type": "ok"}
+            conn.sendall(json.dumps(rep).encode() + b"\n")
+
+    def close(self):
+        self.srv.close()
+
+
+class Env(unittest.TestCase):
+    def setUp(self):
+        er._reset_for_tests()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+        self.addCleanup(er._reset_for_tests)
+
+    def env(self, **kv):
+        p = mock.patch.dict(os.environ, {k: str(v) for k, v in kv.items()})
+        p.start()
+        self.addCleanup(p.stop)
+
+
+class EnvironmentHelpers(Env):
+    def test_values_come_from_elastic_variables(self):
+        self.env(RANK=3, WORLD_SIZE=8, LOCAL_RANK=1, ELASTIC_LR_SCALE=2.0, ELASTIC_BATCH_SIZE=32,
+                 ELASTIC_GRAD_ACCUM_STEPS=4, ELASTIC_GLOBAL_BATCH=1024, ELASTIC_GENERATION=5)
+        self.assertEqual((er.rank(), er.world_size(), er.local_rank(), er.generation()), (3, 8, 1, 5))
+        self.assertEqual(er.scaled_lr(0.1), 0.2)
+        self.assertEqual((er.batch_size(), er.grad_accum_steps(), er.global_batch()), (32, 4, 1024))
+
+    def test_defaults_outside_elastic_run(self):
+        for k in ("ELASTIC_LR_SCALE", "ELASTIC_BATCH_SIZE", "ELASTIC_GRAD_ACCUM_STEPS", "RANK", "WORLD_SIZE"):
+            os.environ.pop(k, None)
+        self.assertEqual(er.scaled_lr(0.5), 0.5)
+        self.assertEqual(er.batch_size(7), 7)
+        self.assertEqual((er.grad_accum_steps(), er.rank(), er.world_size()), (1, 0, 1))
+
+    def test_warmup_ramps_from_unscaled_to_scaled_after_the_resume_step(self):
+        self.env(ELASTIC_LR_SCALE=3.0, ELASTIC_WARMUP_STEPS=10, ELASTIC_RESUME_STEP=100)
+        self.assertAlmostEqual(er.scaled_lr(1.0, step=100), 1.0)
+        self.assertAlmostEqual(er.scaled_lr(1.0, step=105), 2.0)
+        self.assertAlmostEqual(er.scaled_lr(1.0, step=110), 3.0)
+        self.assertAlmostEqual(er.scaled_lr(1.0, step=500), 3.0)
+        self.assertAlmostEqual(er.scaled_lr(1.0), 3.0)
+
+    def test_garbage_values_raise_with_the_variable_name(self):
+        self.env(ELASTIC_BATCH_SIZE="lots")
+        with self.assertRaisesRegex(ValueError, "ELASTIC_BATCH_SIZE"):
+            er.batch_size()
+
+    def test_interval_checkpoints(self):
+        self.env(ELASTIC_CHECKPOINT_INTERVAL=5)
+        self.assertEqual([s for s in range(0, 16) if er.should_checkpoint(s)], [5, 10, 15])
+
+
+class Split(unittest.TestCase):
+    def test_each_key_written_once_and_bytes_balanced(self):
+        sizes = {f"k{i}": (i + 1) * 100 for i in range(20)}
+        for world in (1, 2, 3, 7, 40):
+            owner = er.assign_keys(sizes, world)
+            self.assertEqual(set(owner), set(sizes))
+            loads = [0] * world
+            for k, r in owner.items():
+                loads[r] += sizes[k]
+            self.assertLessEqual(max(loads) - min(loads), max(sizes.values()), (world, loads))
+
+    def test_split_is_independent_of_dict_order(self):
+        sizes = {"a": 5, "b": 5, "c": 9, "d": 1}
+        rev = dict(reversed(list(sizes.items())))
+        self.assertEqual(er.assign_keys(sizes, 2), er.assign_keys(rev, 2))
+
+
+class AgentProtocol(Env):
+    def test_should_stop_and_checkpoint_request_come_from_the_agent(self):
+        path = os.path.join(self.tmp.name, "a.sock")
+        agent = FakeAgent(path, should_stop=False, checkpoint_at=12)
+        self.addCleanup(agent.close)
+        self.env(ELASTIC_AGENT_SOCKET=path, LOCAL_RANK=0, RANK=0)
+        self.assertFalse(er.should_stop(10))
+        self.assertFalse(er.should_checkpoint(11))
+        self.assertTrue(er.should_checkpoint(12))
+        # The agent repeats its request in every reply: it is honoured once.
+        self.assertFalse(er.should_stop(13))
+        self.assertFalse(er.should_checkpoint(13))
+        agent.checkpoint_at = 20
+        self.assertFalse(er.should_stop(14))
+        self.assertTrue(er.should_checkpoint(20))
+        agent.should_stop = True
+        agent.checkpoint_at = None
+        self.assertTrue(er.should_stop(21))
+        self.assertEqual([r["type"] for r in agent.requests], ["query"] * 4)
+
+    def test_only_local_rank_zero_asks_the_agent(self):
+        path = os.path.join(self.tmp.name, "a.sock")
+        agent = FakeAgent(path, should_stop=True)
+        self.addCleanup(agent.close)
+        self.env(ELASTIC_AGENT_SOCKET=path, LOCAL_RANK=1, RANK=1)
+        self.assertFalse(er.should_stop(1))  # no process group: rank 1 alone cannot know
+        self.assertEqual(agent.requests, [])
+
+    def test_progress_is_rate_limited(self):
+        path = os.path.join(self.tmp.name, "a.sock")
+        agent = FakeAgent(path)
+        self.addCleanup(agent.close)
+        self.env(ELASTIC_AGENT_SOCKET=path, RANK=4)
+        for s in range(50):
+            er.report_progress(s)
+        self.assertEqual(agent.requests[0], {"type": "progress", "rank": 4, "step": 0})
+        self.assertLess(len(agent.requests), 5)
+
+
+class Snapshots(Env):
+    def setUp(self):
+        super().setUp()
+        import torch
+        self.torch = torch
+
+    def make(self, seed):
+        torch = self.torch
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        x = torch.randn(4, 8)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        return model, opt
+
+    def test_two_ranks_split_the_state_and_any_world_loads_it_back(self):
+        torch = self.torch
+        staging = os.path.join(self.tmp.name, "staging")
+        path = os.path.join(self.tmp.name, "a.sock")
+        agent = FakeAgent(path)
+        self.addCleanup(agent.close)
+        model, opt = self.make(0)
+        rng = torch.get_rng_state()
+        for r in (0, 1):
+            self.env(ELASTIC_STAGING_DIR=staging, ELASTIC_AGENT_SOCKET=path, RANK=r, WORLD_SIZE=2)
+            d = er.save(7, model=model, optimizer=opt, extra={"data_pos": 56, "rng": rng})
+            self.assertEqual(d, os.path.join(staging, "step-7", f"rank-{r}"))
+        saved = [q for q in agent.requests if q["type"] == "saved"]
+        self.assertEqual([(q["rank"], q["step"]) for q in saved], [(0, 7), (1, 7)])
+        # No temporary directories left; each rank holds part of the tensors, none twice.
+        step_dir = os.path.join(staging, "step-7")
+        self.assertEqual(sorted(os.listdir(step_dir)), ["rank-0", "rank-1"])
+        keys = [set(read_json(os.path.join(step_dir, f"rank-{r}", "meta.json"))["keys"]) for r in (0, 1)]
+        self.assertTrue(keys[0] and keys[1])
+        self.assertFalse(keys[0] & keys[1])
+
+        fresh, fresh_opt = self.make(1)
+        step, extra = er.load(model=fresh, optimizer=fresh_opt, resume_dir=step_dir)
+        self.assertEqual(step, 7)
+        self.assertEqual(extra["data_pos"], 56)
+        self.assertTrue(torch.equal(extra["rng"], rng))
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+            self.assertTrue(torch.equal(a, b))
+        # Training on continues identically from the loaded optimizer state.
+        x = torch.randn(4, 8)
+        for m, o in ((model, opt), (fresh, fresh_opt)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+            self.assertTrue(torch.equal(a, b))
+
+    def test_load_refuses_a_snapshot_with_a_missing_rank(self):
+        staging = os.path.join(self.tmp.name, "staging")
+        model, opt = self.make(0)
+        self.env(ELASTIC_STAGING_DIR=staging, RANK=1, WORLD_SIZE=2)
+        os.environ.pop("ELASTIC_AGENT_SOCKET", None)
+        er.save(3, model=model, optimizer=opt)
+        with self.assertRaisesRegex(ValueError, "incomplete"):
+            er.load(model=model, resume_dir=os.path.join(staging, "step-3"))
+
+    def test_nothing_to_resume_is_none(self):
+        os.environ.pop("ELASTIC_RESUME_DIR", None)
+        self.assertIsNone(er.load(model=None))
+        self.env(ELASTIC_RESUME_DIR=os.path.join(self.tmp.name, "nope"))
+        self.assertIsNone(er.load(model=None))
+
+    def test_refused_hand_over_raises(self):
+        path = os.path.join(self.tmp.name, "a.sock")
+        agent = FakeAgent(path, refuse_saved=True)
+        self.addCleanup(agent.close)
+        model, _ = self.make(0)
+        self.env(ELASTIC_STAGING_DIR=os.path.join(self.tmp.name, "s"), ELASTIC_AGENT_SOCKET=path, RANK=0, WORLD_SIZE=1)
+        with self.assertRaisesRegex(er.AgentError, "outside staging"):
+            er.save(1, model=model)
+
+    def test_tied_weights_are_saved(self):
+        torch = self.torch
+        emb = torch.nn.Embedding(10, 4)
+        head = torch.nn.Linear(4, 10, bias=False)
+        head.weight = emb.weight
+        model = torch.nn.ModuleDict({"emb": emb, "head": head})
+        self.env(ELASTIC_STAGING_DIR=os.path.join(self.tmp.name, "s"), RANK=0, WORLD_SIZE=1)
+        os.environ.pop("ELASTIC_AGENT_SOCKET", None)
+        d = er.save(1, model=model)
+        fresh = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False)})
+        er.load(model=fresh, resume_dir=os.path.dirname(d))
+        self.assertTrue(torch.equal(fresh["head"].weight, emb.weight))
+
+
+if __name__ == "__main__":
+    unittest.main()

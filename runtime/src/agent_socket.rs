@@ -1,0 +1,533 @@
+//! The agent ↔ worker channel: a Unix socket at `$ELASTIC_AGENT_SOCKET`.
+//!
+//! # Protocol
+//!
+//! Newline-delimited JSON, UTF-8, one object per line, at most [`MESSAGE_BYTES_MAX`] bytes per
+//! line including the newline. A worker connects (one connection per process is enough, and it
+//! may stay open for the whole run), sends a request line and reads exactly one reply line
+//! before sending the next request. Every object has a `type`.
+//!
+//! Requests (worker → agent):
+//!
+//! | request | meaning | reply |
+//! |---|---|---|
+//! | `{"type":"progress","rank":R,"step":S}` | rank R finished step S (feeds the hang watchdog and metrics) | `ok` |
+//! | `{"type":"saved","rank":R,"step":S,"dir":"D"}` | rank R finished writing its snapshot of step S into D, a directory under `$ELASTIC_STAGING_DIR` | `ok` once the agent took it over, else `error` |
+//! | `{"type":"query"}` | what should the workers do? | `state` |
+//!
+//! Replies (agent → worker):
+//!
+//! - `{"type":"ok"}`
+//! - `{"type":"state","should_stop":B,"should_checkpoint_at":S|null,"generation":G}`:
+//!   `should_stop` is set while the agent drains (SIGTERM, SIGINT, a preemption notice, or a
+//!   new generation on its way); workers then save the step they agree on and exit 0.
+//!   `should_checkpoint_at` asks for a snapshot at that step (or the first step past it).
+//! - `{"type":"error","message":"..."}`: the request was refused (bad JSON, a rank that is not
+//!   this node's, a directory outside staging, an oversized line). After an oversized line
+//!   the agent closes the connection, since it cannot find the next message boundary.
+//!
+//! Unknown fields are ignored, so either side can add fields without breaking the other.
+//! Nothing a worker sends can panic the agent; every value is checked before use.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{Semaphore, mpsc, watch};
+
+use crate::worker_env::ResumePoint;
+
+/// Longest request or reply line, newline included.
+pub const MESSAGE_BYTES_MAX: usize = 64 * 1024;
+/// Most worker connections served at once; workers hold one each.
+pub const CONNECTIONS_MAX: usize = 4 * crate::cli::NPROC_PER_NODE_MAX as usize;
+
+/// A worker's request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Request {
+    Progress { rank: u32, step: u64 },
+    Saved { rank: u32, step: u64, dir: String },
+    Query {},
+}
+
+/// The agent's reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Reply {
+    Ok,
+    State {
+        should_stop: bool,
+        should_checkpoint_at: Option<u64>,
+        generation: u64,
+    },
+    Error {
+        message: String,
+    },
+}
+
+/// A snapshot part a worker handed over: rank `rank`'s share of step `step`, in `dir`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StagedPart {
+    pub rank: u32,
+    pub step: u64,
+    pub dir: PathBuf,
+}
+
+/// A [`StagedPart`] as received, tagged with the worker group it came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Received {
+    pub part: StagedPart,
+    /// Which worker group (generation or restart) was running; see [`AgentState::epoch`].
+    pub epoch: u64,
+    /// This node's ranks in that group.
+    pub ranks: Range<u32>,
+    pub world_size: u32,
+}
+
+/// What the agent tells workers, and what it learned from them. Shared between the socket
+/// server, the supervisor (watchdog) and the agent loop. The lock is never held across an
+/// await.
+#[derive(Debug)]
+pub struct AgentState {
+    inner: Mutex<Inner>,
+    /// The agent's Prometheus metrics.
+    pub metrics: crate::metrics::Metrics,
+}
+
+#[derive(Debug)]
+struct Inner {
+    generation: u64,
+    /// Counts worker groups started (generations and restarts alike).
+    epoch: u64,
+    world_size: u32,
+    /// Global ranks of this node's workers in the current generation.
+    ranks: Range<u32>,
+    should_stop: bool,
+    should_checkpoint_at: Option<u64>,
+    last_progress: Option<Instant>,
+    last_step: Option<u64>,
+    /// Whether any worker has spoken the protocol in this generation: only such workers can
+    /// be drained through the socket, others get SIGTERM at once.
+    client_seen: bool,
+    /// Canonical staging root; `saved` directories must be inside it.
+    staging_root: PathBuf,
+    /// The newest committed step, for workers restarted after a failure.
+    resume: Option<ResumePoint>,
+}
+
+impl AgentState {
+    pub fn new(staging_root: PathBuf) -> Self {
+        AgentState {
+            inner: Mutex::new(Inner {
+                generation: 0,
+                epoch: 0,
+                world_size: 0,
+                ranks: 0..0,
+                should_stop: false,
+                should_checkpoint_at: None,
+                last_progress: None,
+                last_step: None,
+                client_seen: false,
+                staging_root,
+                resume: None,
+            }),
+            metrics: crate::metrics::Metrics::default(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding this lock leaves plain data behind; keep serving.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A new worker group starts: new generation and ranks, watchdog and drain flags reset.
+    pub fn begin_group(&self, generation: u64, world_size: u32, ranks: Range<u32>) {
+        let mut s = self.lock();
+        s.generation = generation;
+        s.epoch += 1;
+        s.world_size = world_size;
+        s.ranks = ranks;
+        s.last_progress = None;
+        s.client_seen = false;
+        s.should_checkpoint_at = None;
+    }
+
+    /// Ask workers to save and exit.
+    pub fn request_stop(&self) {
+        self.lock().should_stop = true;
+    }
+
+    pub fn should_stop(&self) -> bool {
+        self.lock().should_stop
+    }
+
+    /// Ask workers for a snapshot at `step`.
+    pub fn request_checkpoint_at(&self, step: u64) {
+        self.lock().should_checkpoint_at = Some(step);
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.lock().generation
+    }
+
+    /// Workers in the current generation.
+    pub fn world_size(&self) -> u32 {
+        self.lock().world_size
+    }
+
+    /// Which worker group is running: bumped by every [`AgentState::begin_group`].
+    pub fn epoch(&self) -> u64 {
+        self.lock().epoch
+    }
+
+    /// When any worker of the current group last reported progress.
+    pub fn last_progress(&self) -> Option<Instant> {
+        self.lock().last_progress
+    }
+
+    /// The highest step any worker of the current group reported.
+    pub fn last_step(&self) -> Option<u64> {
+        self.lock().last_step
+    }
+
+    /// Records a newly committed step: restarted workers resume from it.
+    pub fn set_resume(&self, point: ResumePoint) {
+        let mut s = self.lock();
+        if s.resume.as_ref().is_none_or(|r| r.step <= point.step) {
+            s.resume = Some(point);
+        }
+    }
+
+    pub fn resume(&self) -> Option<ResumePoint> {
+        self.lock().resume.clone()
+    }
+
+    pub fn client_seen(&self) -> bool {
+        self.lock().client_seen
+    }
+
+    fn handle(&self, req: Request) -> Result<(Reply, Option<Received>), String> {
+        // File-system checks happen before taking the lock: they may block.
+        let staged = match &req {
+            Request::Saved { dir, .. } => {
+                let root = self.lock().staging_root.clone();
+                Some(check_staged_dir(&root, dir)?)
+            }
+            _ => None,
+        };
+        let mut s = self.lock();
+        s.client_seen = true;
+        match req {
+            Request::Progress { rank, step } => {
+                check_rank(&s.ranks, rank)?;
+                s.last_progress = Some(Instant::now());
+                s.last_step = Some(s.last_step.map_or(step, |l| l.max(step)));
+                Ok((Reply::Ok, None))
+            }
+            Request::Saved { rank, step, .. } => {
+                check_rank(&s.ranks, rank)?;
+                let dir = staged.ok_or("saved dir unchecked")?;
+                let received = Received {
+                    part: StagedPart { rank, step, dir },
+                    epoch: s.epoch,
+                    ranks: s.ranks.clone(),
+                    world_size: s.world_size,
+                };
+                Ok((Reply::Ok, Some(received)))
+            }
+            Request::Query {} => Ok((
+                Reply::State {
+                    should_stop: s.should_stop,
+                    should_checkpoint_at: s.should_checkpoint_at,
+                    generation: s.generation,
+                },
+                None,
+            )),
+        }
+    }
+}
+
+fn check_rank(ranks: &Range<u32>, rank: u32) -> Result<(), String> {
+    if ranks.contains(&rank) {
+        Ok(())
+    } else {
+        Err(format!(
+            "rank {rank} is not one of this node's ranks {ranks:?}"
+        ))
+    }
+}
+
+/// The directory must exist and resolve (symlinks and `..` included) to a place strictly
+/// inside the staging root: the agent later copies and deletes what it names.
+fn check_staged_dir(root: &Path, dir: &str) -> Result<PathBuf, String> {
+    let canon = std::fs::canonicalize(dir).map_err(|e| format!("saved dir {dir:?}: {e}"))?;
+    if !canon.is_dir() {
+        return Err(format!("saved dir {dir:?} is not a directory"));
+    }
+    if canon == root || !canon.starts_with(root) {
+        return Err(format!(
+            "saved dir {dir:?} is outside the staging dir {}",
+            root.display()
+        ));
+    }
+    Ok(canon)
+}
+
+/// Serves the socket until `shutdown` turns true. Saved parts go to `parts`; a full channel
+/// makes the worker wait for its `ok` (back-pressure rather than an unbounded queue).
+pub async fn serve(
+    listener: UnixListener,
+    state: Arc<AgentState>,
+    parts: mpsc::Sender<Received>,
+    shutdown: watch::Receiver<bool>,
+) {
+    let slots = Arc::new(Semaphore::new(CONNECTIONS_MAX));
+    let mut stop = shutdown.clone();
+    loop {
+        tokio::select! {
+            () = stopped(&mut stop) => return,
+            accepted = listener.accept() => {
+                let stream = match accepted {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "agent socket accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let Ok(permit) = slots.clone().try_acquire_owned() else {
+                    tracing::warn!("too many worker connections; refusing one");
+                    continue;
+                };
+                let state = state.clone();
+                let parts = parts.clone();
+                let shutdown = shutdown.clone();
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    if let Err(e) = serve_connection(stream, &state, &parts, shutdown).await {
+                        tracing::debug!(error = %e, "worker connection ended");
+                    }
+                });
+            }
+        }
+    }
+}
+
+async fn serve_connection(
+    stream: UnixStream,
+    state: &AgentState,
+    parts: &mpsc::Sender<Received>,
+    mut shutdown: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let (read, mut write) = stream.into_split();
+    let mut reader = BufReader::new(read);
+    let mut line = Vec::with_capacity(256);
+    loop {
+        line.clear();
+        let mut limited = (&mut reader).take(MESSAGE_BYTES_MAX as u64);
+        let n = tokio::select! {
+            () = stopped(&mut shutdown) => return Ok(()),
+            n = limited.read_until(b'\n', &mut line) => n?,
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        if line.last() != Some(&b'\n') {
+            let too_long = line.len() >= MESSAGE_BYTES_MAX;
+            let message = if too_long {
+                format!("message longer than {MESSAGE_BYTES_MAX} bytes")
+            } else {
+                "connection closed mid-message".to_string()
+            };
+            send(&mut write, &Reply::Error { message }).await?;
+            return Ok(());
+        }
+        let reply = match serde_json::from_slice::<Request>(&line) {
+            Err(e) => Reply::Error {
+                message: format!("bad request: {e}"),
+            },
+            Ok(req) => match state.handle(req) {
+                Err(message) => Reply::Error { message },
+                Ok((reply, None)) => reply,
+                Ok((reply, Some(part))) => match parts.send(part).await {
+                    Ok(()) => reply,
+                    Err(_) => Reply::Error {
+                        message: "agent is shutting down".into(),
+                    },
+                },
+            },
+        };
+        send(&mut write, &reply).await?;
+    }
+}
+
+/// Resolves once `shutdown` is true (or its sender is gone).
+pub(crate) async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|s| *s).await;
+}
+
+async fn send(write: &mut tokio::net::unix::OwnedWriteHalf, reply: &Reply) -> std::io::Result<()> {
+    let mut bytes = serde_json::to_vec(reply).map_err(std::io::Error::other)?;
+    bytes.push(b'\n');
+    debug_assert!(bytes.len() <= MESSAGE_BYTES_MAX);
+    write.write_all(&bytes).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncBufReadExt;
+
+    struct Harness {
+        _dir: tempfile::TempDir,
+        staging: PathBuf,
+        socket: PathBuf,
+        state: Arc<AgentState>,
+        parts: mpsc::Receiver<Received>,
+        stop: watch::Sender<bool>,
+    }
+
+    async fn harness() -> Harness {
+        let dir = tempfile::tempdir().unwrap();
+        let staging = dir.path().join("staging");
+        std::fs::create_dir_all(&staging).unwrap();
+        let staging = std::fs::canonicalize(&staging).unwrap();
+        let socket = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&socket).unwrap();
+        let state = Arc::new(AgentState::new(staging.clone()));
+        state.begin_group(3, 4, 2..4);
+        let (tx, rx) = mpsc::channel(8);
+        let (stop, stop_rx) = watch::channel(false);
+        tokio::spawn(serve(listener, state.clone(), tx, stop_rx));
+        Harness {
+            _dir: dir,
+            staging,
+            socket,
+            state,
+            parts: rx,
+            stop,
+        }
+    }
+
+    async fn roundtrip(conn: &mut BufReader<UnixStream>, line: &str) -> serde_json::Value {
+        conn.get_mut().write_all(line.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        conn.read_line(&mut out).await.unwrap();
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{out:?}: {e}"))
+    }
+
+    #[tokio::test]
+    async fn query_reports_drain_checkpoint_and_generation() {
+        let h = harness().await;
+        let mut c = BufReader::new(UnixStream::connect(&h.socket).await.unwrap());
+        let r = roundtrip(&mut c, "{\"type\":\"query\"}\n").await;
+        assert_eq!(
+            r,
+            serde_json::json!({"type":"state","should_stop":false,"should_checkpoint_at":null,"generation":3})
+        );
+        h.state.request_stop();
+        h.state.request_checkpoint_at(40);
+        let r = roundtrip(&mut c, "{\"type\":\"query\",\"extra\":1}\n").await;
+        assert_eq!(
+            r,
+            serde_json::json!({"type":"state","should_stop":true,"should_checkpoint_at":40,"generation":3})
+        );
+        assert!(h.state.client_seen());
+        let _ = h.stop.send(true);
+    }
+
+    #[tokio::test]
+    async fn progress_feeds_the_watchdog_and_rejects_foreign_ranks() {
+        let h = harness().await;
+        let mut c = BufReader::new(UnixStream::connect(&h.socket).await.unwrap());
+        assert!(h.state.last_progress().is_none());
+        let r = roundtrip(&mut c, "{\"type\":\"progress\",\"rank\":3,\"step\":9}\n").await;
+        assert_eq!(r["type"], "ok");
+        assert!(h.state.last_progress().is_some());
+        assert_eq!(h.state.last_step(), Some(9));
+        let r = roundtrip(&mut c, "{\"type\":\"progress\",\"rank\":4,\"step\":10}\n").await;
+        assert_eq!(r["type"], "error", "{r}");
+        assert_eq!(h.state.last_step(), Some(9));
+    }
+
+    #[tokio::test]
+    async fn saved_hands_over_dirs_inside_staging_only() {
+        let mut h = harness().await;
+        let part = h.staging.join("step-5/rank-2");
+        std::fs::create_dir_all(&part).unwrap();
+        let mut c = BufReader::new(UnixStream::connect(&h.socket).await.unwrap());
+        let msg =
+            serde_json::json!({"type":"saved","rank":2,"step":5,"dir":part}).to_string() + "\n";
+        assert_eq!(roundtrip(&mut c, &msg).await["type"], "ok");
+        let got = h.parts.recv().await.unwrap();
+        assert_eq!(
+            got.part,
+            StagedPart {
+                rank: 2,
+                step: 5,
+                dir: part.clone()
+            }
+        );
+        assert_eq!((got.epoch, got.ranks, got.world_size), (1, 2..4, 4));
+
+        let escape = format!("{}/../..", part.display());
+        for dir in [
+            escape.as_str(),
+            "/etc",
+            h.staging.to_str().unwrap(),
+            "/nonexistent/x",
+        ] {
+            let msg =
+                serde_json::json!({"type":"saved","rank":2,"step":5,"dir":dir}).to_string() + "\n";
+            assert_eq!(roundtrip(&mut c, &msg).await["type"], "error", "{dir}");
+        }
+        assert!(h.parts.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn garbage_gets_an_error_and_the_connection_keeps_working() {
+        let h = harness().await;
+        let mut c = BufReader::new(UnixStream::connect(&h.socket).await.unwrap());
+        for bad in [
+            "not json\n",
+            "{\"type\":\"launch\"}\n",
+            "{\"type\":\"progress\",\"rank\":-1,\"step\":1}\n",
+            "[]\n",
+            "\n",
+        ] {
+            assert_eq!(roundtrip(&mut c, bad).await["type"], "error", "{bad:?}");
+        }
+        assert_eq!(
+            roundtrip(&mut c, "{\"type\":\"query\"}\n").await["type"],
+            "state"
+        );
+    }
+
+    #[tokio::test]
+    async fn oversized_line_is_refused_and_closes_the_connection() {
+        let h = harness().await;
+        let mut c = BufReader::new(UnixStream::connect(&h.socket).await.unwrap());
+        let big = format!(
+            "{{\"type\":\"query\",\"pad\":\"{}\"}}\n",
+            "x".repeat(MESSAGE_BYTES_MAX)
+        );
+        let r = roundtrip(&mut c, &big).await;
+        assert_eq!(r["type"], "error");
+        assert!(r["message"].as_str().unwrap().contains("longer"));
+        let mut rest = String::new();
+        // The agent closed its side: EOF (or a reset, since we had unread bytes in flight).
+        let n = c.read_line(&mut rest).await.unwrap_or(0);
+        assert_eq!(n, 0, "{rest:?}");
+        // A new connection works.
+        let mut c2 = BufReader::new(UnixStream::connect(&h.socket).await.unwrap());
+        assert_eq!(
+            roundtrip(&mut c2, "{\"type\":\"query\"}\n").await["type"],
+            "state"
+        );
+    }
+}

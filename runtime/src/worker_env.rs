@@ -1,0 +1,335 @@
+//! The environment every worker starts with: torchrun's contract plus `ELASTIC_*`.
+//!
+//! [`worker_env`] is a pure function of a node-constant [`WorkerSpec`], a per-generation
+//! [`GenerationView`], the local rank and the restart count. The `elastic` crate's generation
+//! record maps onto [`GenerationView`] field by field (world size, this node's rank offset,
+//! master address and port, scaling decision, resume step); standalone and static runs build
+//! one themselves.
+
+use std::path::{Path, PathBuf};
+
+use crate::scaling::Scaling;
+
+/// Where workers resume from: a committed step laid out as `DIR/rank-*/` by the sink.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResumePoint {
+    pub step: u64,
+    pub dir: PathBuf,
+}
+
+/// One generation of the job, as seen from this node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationView {
+    /// Generation number; 0 for the first (and only, in standalone) generation.
+    pub generation: u64,
+    /// Total workers in the job (WORLD_SIZE).
+    pub world_size: u32,
+    /// This node's rank among nodes (GROUP_RANK).
+    pub node_rank: u32,
+    /// Nodes in the generation (GROUP_WORLD_SIZE).
+    pub node_count: u32,
+    /// Global rank of this node's local rank 0.
+    pub rank_offset: u32,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub scaling: Scaling,
+    pub resume: Option<ResumePoint>,
+}
+
+/// What stays the same for this node across generations and restarts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSpec {
+    /// Workers on this node (LOCAL_WORLD_SIZE).
+    pub nproc: u32,
+    pub role: String,
+    pub run_id: String,
+    pub node_id: String,
+    pub max_restarts: u32,
+    /// Steps between interval checkpoints; 0 = off.
+    pub checkpoint_interval: u64,
+    /// Node-local directory where workers write snapshots.
+    pub staging_dir: PathBuf,
+    /// The agent's Unix socket.
+    pub agent_socket: PathBuf,
+    /// Per-run directory for error files (`TORCHELASTIC_ERROR_FILE`).
+    pub run_dir: PathBuf,
+}
+
+/// Why a rank does not fit the generation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EnvError {
+    #[error("local rank {local_rank} is outside this node's {nproc} workers")]
+    LocalRankOutOfRange { local_rank: u32, nproc: u32 },
+    #[error(
+        "generation {generation}: ranks {first}..{end} of this node do not fit world size {world_size}"
+    )]
+    RanksOutsideWorld {
+        generation: u64,
+        first: u32,
+        end: u64,
+        world_size: u32,
+    },
+}
+
+/// The error file a worker of this attempt writes (torch's `@record` reads
+/// `TORCHELASTIC_ERROR_FILE`). One per generation, restart and local rank, so a stale file from
+/// an earlier attempt is never mistaken for the current error.
+pub fn error_file(run_dir: &Path, generation: u64, restart_count: u32, local_rank: u32) -> PathBuf {
+    run_dir
+        .join(format!("g{generation}-attempt{restart_count}"))
+        .join(local_rank.to_string())
+        .join("error.json")
+}
+
+/// The variables to set for `local_rank` (on top of the agent's own environment).
+///
+/// `omp_num_threads_set` says whether the agent's environment already has `OMP_NUM_THREADS`.
+/// torchrun's rule: set it to 1 when unset and more than one worker shares the node, so
+/// workers do not oversubscribe the cores.
+pub fn worker_env(
+    spec: &WorkerSpec,
+    view: &GenerationView,
+    local_rank: u32,
+    restart_count: u32,
+    omp_num_threads_set: bool,
+) -> Result<Vec<(String, String)>, EnvError> {
+    if local_rank >= spec.nproc {
+        return Err(EnvError::LocalRankOutOfRange {
+            local_rank,
+            nproc: spec.nproc,
+        });
+    }
+    let end = u64::from(view.rank_offset) + u64::from(spec.nproc);
+    if end > u64::from(view.world_size) {
+        return Err(EnvError::RanksOutsideWorld {
+            generation: view.generation,
+            first: view.rank_offset,
+            end,
+            world_size: view.world_size,
+        });
+    }
+    let rank = view.rank_offset + local_rank;
+    let s = &view.scaling;
+    let mut env: Vec<(String, String)> = vec![
+        ("RANK".into(), rank.to_string()),
+        ("LOCAL_RANK".into(), local_rank.to_string()),
+        ("WORLD_SIZE".into(), view.world_size.to_string()),
+        ("LOCAL_WORLD_SIZE".into(), spec.nproc.to_string()),
+        ("GROUP_RANK".into(), view.node_rank.to_string()),
+        ("GROUP_WORLD_SIZE".into(), view.node_count.to_string()),
+        // One role per job: role ranks are the global ranks.
+        ("ROLE_RANK".into(), rank.to_string()),
+        ("ROLE_NAME".into(), spec.role.clone()),
+        ("ROLE_WORLD_SIZE".into(), view.world_size.to_string()),
+        ("MASTER_ADDR".into(), view.master_addr.clone()),
+        ("MASTER_PORT".into(), view.master_port.to_string()),
+        (
+            "TORCHELASTIC_RESTART_COUNT".into(),
+            restart_count.to_string(),
+        ),
+        (
+            "TORCHELASTIC_MAX_RESTARTS".into(),
+            spec.max_restarts.to_string(),
+        ),
+        ("TORCHELASTIC_RUN_ID".into(), spec.run_id.clone()),
+        // The workers build their own TCPStore from MASTER_ADDR/PORT (env://); the agent does
+        // not host one.
+        ("TORCHELASTIC_USE_AGENT_STORE".into(), "False".into()),
+        (
+            "TORCHELASTIC_ERROR_FILE".into(),
+            path_str(&error_file(
+                &spec.run_dir,
+                view.generation,
+                restart_count,
+                local_rank,
+            )),
+        ),
+        ("ELASTIC_GENERATION".into(), view.generation.to_string()),
+        ("ELASTIC_LR_SCALE".into(), format_f64(s.lr_scale)),
+        (
+            "ELASTIC_GRAD_ACCUM_STEPS".into(),
+            s.grad_accum_steps.to_string(),
+        ),
+        ("ELASTIC_WARMUP_STEPS".into(), s.warmup_steps.to_string()),
+        ("ELASTIC_STAGING_DIR".into(), path_str(&spec.staging_dir)),
+        (
+            "ELASTIC_CHECKPOINT_INTERVAL".into(),
+            spec.checkpoint_interval.to_string(),
+        ),
+        ("ELASTIC_AGENT_SOCKET".into(), path_str(&spec.agent_socket)),
+        ("ELASTIC_NODE_ID".into(), spec.node_id.clone()),
+        // Worker output goes through pipes; unbuffered Python keeps lines timely and in order.
+        ("PYTHONUNBUFFERED".into(), "1".into()),
+    ];
+    if !omp_num_threads_set && spec.nproc > 1 {
+        env.push(("OMP_NUM_THREADS".into(), "1".into()));
+    }
+    if let Some(lr) = s.lr {
+        env.push(("ELASTIC_LR".into(), format_f64(lr)));
+    }
+    if let Some(b) = s.batch_size {
+        env.push(("ELASTIC_BATCH_SIZE".into(), b.to_string()));
+    }
+    if let Some(g) = s.global_batch {
+        env.push(("ELASTIC_GLOBAL_BATCH".into(), g.to_string()));
+    }
+    if let Some(r) = &view.resume {
+        env.push(("ELASTIC_RESUME_STEP".into(), r.step.to_string()));
+        env.push(("ELASTIC_RESUME_DIR".into(), path_str(&r.dir)));
+    }
+    Ok(env)
+}
+
+/// Shortest decimal that reads back to the same f64 (Rust's `{}` formatting is round-trip).
+fn format_f64(v: f64) -> String {
+    format!("{v}")
+}
+
+fn path_str(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> WorkerSpec {
+        WorkerSpec {
+            nproc: 2,
+            role: "trainer".into(),
+            run_id: "job42".into(),
+            node_id: "node-b".into(),
+            max_restarts: 3,
+            checkpoint_interval: 50,
+            staging_dir: "/dev/shm/er/job42/node-b".into(),
+            agent_socket: "/tmp/er/agent.sock".into(),
+            run_dir: "/tmp/er/run".into(),
+        }
+    }
+
+    fn view() -> GenerationView {
+        GenerationView {
+            generation: 7,
+            world_size: 6,
+            node_rank: 1,
+            node_count: 3,
+            rank_offset: 2,
+            master_addr: "10.0.0.1".into(),
+            master_port: 29400,
+            scaling: Scaling {
+                lr_scale: 1.5,
+                lr: Some(0.15),
+                batch_size: Some(32),
+                global_batch: Some(192),
+                grad_accum_steps: 1,
+                warmup_steps: 100,
+            },
+            resume: Some(ResumePoint {
+                step: 1200,
+                dir: "/ck/step-1200".into(),
+            }),
+        }
+    }
+
+    fn get<'a>(env: &'a [(String, String)], k: &str) -> Option<&'a str> {
+        let hits: Vec<_> = env.iter().filter(|(n, _)| n == k).collect();
+        assert!(hits.len() <= 1, "{k} set twice");
+        hits.first().map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn second_local_rank_of_middle_node_gets_the_full_contract() {
+        let env = worker_env(&spec(), &view(), 1, 2, false).unwrap();
+        let expect = [
+            ("RANK", "3"),
+            ("LOCAL_RANK", "1"),
+            ("WORLD_SIZE", "6"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("GROUP_RANK", "1"),
+            ("GROUP_WORLD_SIZE", "3"),
+            ("ROLE_RANK", "3"),
+            ("ROLE_NAME", "trainer"),
+            ("ROLE_WORLD_SIZE", "6"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29400"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+            ("TORCHELASTIC_MAX_RESTARTS", "3"),
+            ("TORCHELASTIC_RUN_ID", "job42"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "False"),
+            (
+                "TORCHELASTIC_ERROR_FILE",
+                "/tmp/er/run/g7-attempt2/1/error.json",
+            ),
+            ("OMP_NUM_THREADS", "1"),
+            ("ELASTIC_GENERATION", "7"),
+            ("ELASTIC_LR_SCALE", "1.5"),
+            ("ELASTIC_LR", "0.15"),
+            ("ELASTIC_GLOBAL_BATCH", "192"),
+            ("ELASTIC_GRAD_ACCUM_STEPS", "1"),
+            ("ELASTIC_BATCH_SIZE", "32"),
+            ("ELASTIC_WARMUP_STEPS", "100"),
+            ("ELASTIC_STAGING_DIR", "/dev/shm/er/job42/node-b"),
+            ("ELASTIC_RESUME_STEP", "1200"),
+            ("ELASTIC_RESUME_DIR", "/ck/step-1200"),
+            ("ELASTIC_CHECKPOINT_INTERVAL", "50"),
+            ("ELASTIC_AGENT_SOCKET", "/tmp/er/agent.sock"),
+            ("ELASTIC_NODE_ID", "node-b"),
+        ];
+        for (k, v) in expect {
+            assert_eq!(get(&env, k), Some(v), "{k}");
+        }
+    }
+
+    #[test]
+    fn omp_threads_left_alone_when_user_set_it_or_single_worker() {
+        let env = worker_env(&spec(), &view(), 0, 0, true).unwrap();
+        assert_eq!(get(&env, "OMP_NUM_THREADS"), None);
+        let mut one = spec();
+        one.nproc = 1;
+        let mut v = view();
+        v.rank_offset = 0;
+        let env = worker_env(&one, &v, 0, 0, false).unwrap();
+        assert_eq!(get(&env, "OMP_NUM_THREADS"), None);
+    }
+
+    #[test]
+    fn unknown_values_are_absent_rather_than_empty() {
+        let mut v = view();
+        v.scaling = Scaling::identity();
+        v.resume = None;
+        let env = worker_env(&spec(), &v, 0, 0, false).unwrap();
+        for k in [
+            "ELASTIC_LR",
+            "ELASTIC_BATCH_SIZE",
+            "ELASTIC_GLOBAL_BATCH",
+            "ELASTIC_RESUME_STEP",
+            "ELASTIC_RESUME_DIR",
+        ] {
+            assert_eq!(get(&env, k), None, "{k}");
+        }
+        assert_eq!(get(&env, "ELASTIC_LR_SCALE"), Some("1"));
+        assert!(env.iter().all(|(_, v)| !v.is_empty()));
+    }
+
+    #[test]
+    fn ranks_outside_the_world_are_refused() {
+        let mut v = view();
+        v.rank_offset = 5; // ranks 5 and 6 in a world of 6
+        assert!(matches!(
+            worker_env(&spec(), &v, 0, 0, false),
+            Err(EnvError::RanksOutsideWorld { .. })
+        ));
+        assert!(matches!(
+            worker_env(&spec(), &view(), 2, 0, false),
+            Err(EnvError::LocalRankOutOfRange { .. })
+        ));
+    }
+
+    #[test]
+    fn error_files_differ_per_attempt_and_rank() {
+        let r = Path::new("/r");
+        assert_ne!(error_file(r, 0, 0, 0), error_file(r, 0, 1, 0));
+        assert_ne!(error_file(r, 0, 0, 0), error_file(r, 1, 0, 0));
+        assert_ne!(error_file(r, 0, 0, 0), error_file(r, 0, 0, 1));
+    }
+}
