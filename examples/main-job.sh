@@ -13,18 +13,19 @@ bin="$repo/target/debug/elastic-run"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 bucket="file://$work/bucket"
-steps="${MAIN_JOB_STEPS:-60}"
+steps="${MAIN_JOB_STEPS:-300}"
+# exec, so that the PID of a backgrounded run is the agent itself and SIGTERM reaches it.
 run() {
-  "$bin" --standalone --nproc-per-node 2 --rdzv-id main-job --checkpoint-url "$bucket" \
+  exec "$bin" --standalone --nproc-per-node 2 --rdzv-id main-job --checkpoint-url "$bucket" \
     --checkpoint-interval 10 --lr-scaling linear --base-world-size 2 --preemption-grace 30s \
     --staging-dir "$work/staging" -- python examples/ddp_train.py --steps "$steps" --step-sleep 0.05 "$@"
 }
 echo "== run 1: training, preempted with SIGTERM after a few seconds"
 run & agent=$!
-sleep "${MAIN_JOB_PREEMPT_AFTER_S:-8}"
+sleep "${MAIN_JOB_PREEMPT_AFTER_S:-6}"
 kill -TERM "$agent"
 wait "$agent" || echo "(run 1 exited with $?)"
 echo "== run 2: resumes from $bucket and finishes"
-run
+(run)
 echo "== checkpoints committed in $bucket:"
 ls "$work/bucket" 2>/dev/null || true
