@@ -29,6 +29,15 @@
 //!   - `Waiting(k)`: once `k` members are waiting (or the waiters would fill the job to `max`).
 //! - **Below `min`**: wait for replacements until `below_min_timeout_ms` after the eligible
 //!   count first dropped below `min`, then fail the job.
+//! - **Restart** (a member asked to restart the current generation after its workers failed:
+//!   `restart_requested_for` equals `current_number`): when nothing was lost, freeze a new
+//!   generation at once, without the settle window, with the same members in the same order
+//!   (but draining ones, who leave anyway), plus waiters up to `max` (every worker restarts
+//!   anyway, so, as after a loss, every join policy admits them at this boundary), if that is
+//!   at least `min`; otherwise the other rules apply. A request for an older generation is
+//!   stale and ignored: it was served (or overtaken by a loss), so several requests for one
+//!   generation give one new generation. A loss or an undersized generation is handled by its
+//!   own rule first.
 //! - Members beyond `max` are spares: they wait until a slot frees.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -130,6 +139,15 @@ pub struct Input {
     pub current: Option<Vec<String>>,
     pub last_commit: Option<CommitInfo>,
     pub timing: Timing,
+    /// The current generation's number; 0 before the first.
+    #[serde(default)]
+    pub current_number: u64,
+    /// The newest generation a member asked to restart (its workers failed), if any; the
+    /// adapter leaves out requests naming a generation newer than the current one (none can
+    /// exist but through a bug), so they cannot hide a current one. Only a request naming
+    /// `current_number` counts.
+    #[serde(default)]
+    pub restart_requested_for: Option<u64>,
 }
 
 /// Why the core decided what it decided.
@@ -160,6 +178,8 @@ pub enum Reason {
     ScaleUp { admitted: Vec<String> },
     /// Fewer than `min` eligible members.
     BelowMin { present: u32, min: u32 },
+    /// A member asked for a restart of the current generation (its workers failed).
+    RestartRequested { generation: u64 },
     /// Below `min` for longer than the timeout.
     BelowMinTimeout {
         present: u32,
@@ -187,6 +207,9 @@ impl std::fmt::Display for Reason {
             }
             Reason::ScaleUp { admitted } => write!(f, "admitting: {}", admitted.join(",")),
             Reason::BelowMin { present, min } => write!(f, "{present} present, below min {min}"),
+            Reason::RestartRequested { generation } => {
+                write!(f, "restart of generation {generation} requested")
+            }
             Reason::BelowMinTimeout {
                 present,
                 min,
@@ -335,6 +358,26 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
             Reason::MembersLost { lost }
         };
         return freeze_settled(members, reason);
+    }
+
+    if input.current.is_some() && input.restart_requested_for == Some(input.current_number) {
+        // The same members (but those draining, who leave anyway), plus waiters up to `max`,
+        // at once: every node restarts anyway.
+        let mut members: Vec<String> = current
+            .iter()
+            .filter(|id| matches!(by_id.get(id.as_str()), Some(m) if m.state == MemberState::Alive))
+            .cloned()
+            .collect();
+        members.extend(waiting.iter().map(|m| m.node_id.clone()));
+        members.truncate(max);
+        if members.len() as u32 >= cfg.min_nodes {
+            return Decision::Freeze {
+                members,
+                reason: Reason::RestartRequested {
+                    generation: input.current_number,
+                },
+            };
+        }
     }
 
     let draining: Vec<String> = current

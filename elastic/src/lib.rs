@@ -21,6 +21,9 @@
 //!   `--nocapture` prints the measured detection times).
 //! - `cargo run --release -p elastic --example scale -- 1000`: 1,000 members against one etcd;
 //!   the figures are in `BENCHMARKS.md`.
+//! - `elastic/fuzz` (own workspace, `cargo +nightly fuzz run records`): every record parser on
+//!   arbitrary bytes; `tests/records.rs` runs seeded mutations through the same entry point
+//!   on stable.
 
 pub mod core;
 pub mod error;

@@ -30,9 +30,13 @@ pub struct RankedMember {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Generation {
     pub version: u32,
-    /// Starts at 1 and grows by one per generation while the job has a live member. After a
-    /// total loss (every lease expired, e.g. an etcd outage longer than the TTL) it starts at 1
-    /// again; `(number, created_unix_ms)` identifies a generation across such restarts.
+    /// Starts at 1 and grows by one per generation. It keeps growing across a total loss
+    /// (every member lease expired, e.g. an etcd outage longer than the TTL): the highest
+    /// number frozen is kept in `ctl/epoch` ([`EpochRecord`]) under a retention lease, so the
+    /// first generation after the loss takes the next number. Only when the job id was idle
+    /// for longer than that retention ([`STATE_RETENTION_S`]) does it start at 1 again.
+    ///
+    /// [`STATE_RETENTION_S`]: crate::keys::STATE_RETENTION_S
     pub number: u64,
     /// Members in rank order (`GROUP_RANK` is the index).
     pub members: Vec<RankedMember>,
@@ -116,6 +120,11 @@ pub struct MemberRecord {
     /// A port this node reserved, used as `MASTER_PORT` when it is rank 0.
     pub master_port: u16,
     pub joined_unix_ms: u64,
+    /// A second reserved port. When this node is rank 0 again right after a generation that
+    /// used `master_port` on it, the next generation uses this one, so new workers never race
+    /// the previous generation's TCPStore for its port. `None` when the port was configured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spare_master_port: Option<u16>,
 }
 
 /// The leader key's value.
@@ -148,6 +157,30 @@ pub struct WaitingRecord {
     pub until_unix_ms: u64,
 }
 
+/// A member's request to restart generation `generation` (its workers failed), stored at
+/// `ctl/restart/<node>` under the requester's lease. The leader acts on it while that
+/// generation is current, which makes it act once however many nodes ask.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestartRecord {
+    pub version: u32,
+    pub generation: u64,
+    pub node_id: String,
+    /// Why, for logs and `status`; at most [`REASON_BYTES_MAX`] bytes.
+    pub reason: String,
+    pub requested_unix_ms: u64,
+}
+
+/// How long a restart request's reason may be.
+pub const REASON_BYTES_MAX: usize = 1024;
+
+/// The highest generation number frozen in this job, at `ctl/epoch` under a retention lease:
+/// what keeps generation numbers growing across a total loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochRecord {
+    pub version: u32,
+    pub number: u64,
+}
+
 /// A finished or failed job.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobState {
@@ -176,7 +209,36 @@ pub trait Versioned {
 macro_rules! versioned {
     ($($t:ty),*) => {$(impl Versioned for $t { fn version(&self) -> u32 { self.version } })*};
 }
-versioned!(LeaderRecord, CommitRecord, JobState, WaitingRecord);
+versioned!(
+    LeaderRecord,
+    CommitRecord,
+    JobState,
+    WaitingRecord,
+    EpochRecord
+);
+
+impl Versioned for RestartRecord {
+    fn version(&self) -> u32 {
+        self.version
+    }
+    fn check(&self, key: &str) -> Result<()> {
+        let bad = |reason: String| Error::BadValue {
+            key: key.to_string(),
+            reason,
+        };
+        validate_node_id(&self.node_id).map_err(bad)?;
+        if self.generation == 0 {
+            return Err(bad("restart of generation 0".into()));
+        }
+        if self.reason.len() > REASON_BYTES_MAX {
+            return Err(bad(format!(
+                "reason of {} bytes, over {REASON_BYTES_MAX}",
+                self.reason.len()
+            )));
+        }
+        Ok(())
+    }
+}
 
 impl Versioned for Generation {
     fn version(&self) -> u32 {
@@ -249,6 +311,26 @@ pub fn parse<T: DeserializeOwned + Versioned>(key: &str, value: &[u8]) -> Result
     }
     record.check(key)?;
     Ok(record)
+}
+
+/// Runs `value` through the parser of every record kind and returns how many accepted it.
+/// For the fuzz target (`elastic/fuzz`) and the must-not-panic test: a new record kind is
+/// added here, so both cover it.
+#[doc(hidden)]
+pub fn parse_every_kind(key: &str, value: &[u8]) -> usize {
+    [
+        parse::<Generation>(key, value).is_ok(),
+        parse::<MemberRecord>(key, value).is_ok(),
+        parse::<LeaderRecord>(key, value).is_ok(),
+        parse::<CommitRecord>(key, value).is_ok(),
+        parse::<WaitingRecord>(key, value).is_ok(),
+        parse::<JobState>(key, value).is_ok(),
+        parse::<RestartRecord>(key, value).is_ok(),
+        parse::<EpochRecord>(key, value).is_ok(),
+    ]
+    .into_iter()
+    .filter(|ok| *ok)
+    .count()
 }
 
 /// Serializes a record for etcd.

@@ -4,7 +4,8 @@
 use std::collections::BTreeSet;
 
 use elastic::core::{
-    CommitInfo, CoreConfig, Decision, Input, JoinPolicy, MemberState, Observed, Timing, decide,
+    CommitInfo, CoreConfig, Decision, Input, JoinPolicy, MemberState, Observed, Reason, Timing,
+    decide,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -69,11 +70,44 @@ fn random_case(rng: &mut StdRng) -> (CoreConfig, Input) {
             changed_at_ms: rng.random_range(0..=now_ms),
             below_min_since_ms: rng.random_bool(0.5).then(|| rng.random_range(0..=now_ms)),
         },
+        current_number: 0,
+        restart_requested_for: None,
     };
+    let mut input = input;
+    if input.current.is_some() {
+        input.current_number = rng.random_range(1..=5);
+        // Requests for the current generation, stale ones and (impossible, but harmless) newer ones.
+        input.restart_requested_for = match rng.random_range(0..10) {
+            0..=1 => Some(input.current_number),
+            2 => Some(input.current_number - 1).filter(|g| *g > 0),
+            3 => Some(input.current_number + 1),
+            _ => None,
+        };
+    }
     (cfg, input)
 }
 
 fn check(cfg: &CoreConfig, input: &Input, d: &Decision) -> Result<(), String> {
+    let restart_current =
+        input.current.is_some() && input.restart_requested_for == Some(input.current_number);
+    if matches!(d.reason(), Reason::RestartRequested { .. }) {
+        if !restart_current {
+            return Err("restarted for a stale (or no) request".into());
+        }
+        let Decision::Freeze { members, .. } = d else {
+            return Err("a restart that is not a freeze".into());
+        };
+        // Every alive member of the current generation is kept: a restart drops nobody.
+        for id in input.current.iter().flatten() {
+            let alive = input
+                .members
+                .iter()
+                .any(|o| &o.node_id == id && o.state == MemberState::Alive);
+            if alive && !members.contains(id) {
+                return Err(format!("restart dropped the alive member {id}"));
+            }
+        }
+    }
     match d {
         Decision::Freeze { members, .. } => {
             let set: BTreeSet<&String> = members.iter().collect();
@@ -114,7 +148,7 @@ fn check(cfg: &CoreConfig, input: &Input, d: &Decision) -> Result<(), String> {
                 if !newcomers.is_sorted() {
                     return Err("newcomers not in join order".into());
                 }
-                if members == cur {
+                if members == cur && !restart_current {
                     return Err("froze the same generation again".into());
                 }
             }

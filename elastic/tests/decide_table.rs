@@ -27,6 +27,12 @@ struct Case {
     changed_at: u64,
     #[serde(default)]
     below_min_since: Option<u64>,
+    /// The current generation's number.
+    #[serde(default)]
+    number: u64,
+    /// The newest generation a member asked to restart.
+    #[serde(default)]
+    restart_for: Option<u64>,
     expect: Decision,
 }
 
@@ -69,6 +75,8 @@ fn decision_table() {
                 changed_at_ms: case.changed_at,
                 below_min_since_ms: case.below_min_since,
             },
+            current_number: case.number,
+            restart_requested_for: case.restart_for,
         };
         let got = decide(&cfg, &input);
         if got != case.expect {
@@ -103,6 +111,8 @@ fn every_reason_has_a_message() {
         current: None,
         last_commit: None,
         timing: Timing::default(),
+        current_number: 0,
+        restart_requested_for: None,
     };
     let d = decide(&cfg, &input);
     assert!(matches!(d, Decision::Fail { .. }), "{d:?}");

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use elastic::etcd::{Connect, campaign, write_generation};
 use elastic::keys::Keys;
-use elastic::record::{Generation, RECORD_VERSION, RankedMember};
+use elastic::record::{self, EpochRecord, Generation, RECORD_VERSION, RankedMember};
 use elastic::scaling::{OnIndivisible, ScalingConfig, ScalingMode};
 use elastic::{Error, Handle, JoinPolicy, Rendezvous, RendezvousConfig, status};
 use tokio::net::{TcpListener, TcpStream};
@@ -170,6 +170,18 @@ async fn members_join_and_form_a_generation_with_ranks_and_master() {
         st.members.is_empty() && st.leader.is_none() && st.generation.is_none(),
         "no keys left behind once every member left: {st:?}"
     );
+    // But `ctl/epoch`, on its retention lease, which keeps the generation numbers growing.
+    let mut client = Connect::new([ep.as_str()]).client(1_000).await.unwrap();
+    let left = client
+        .get(
+            Keys::new("join").prefix(),
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
+    let left: Vec<&str> = left.kvs().iter().map(|kv| kv.key_str().unwrap()).collect();
+    assert_eq!(left, [Keys::new("join").epoch()]);
+    assert_eq!(read_epoch(&mut client, "join").await.unwrap().0.number, 2);
 }
 
 // ---- member processes for the SIGKILL tests ----
@@ -774,7 +786,8 @@ async fn job_below_min_fails_after_the_timeout_and_finish_is_seen_by_all() {
     ));
     a.leave().await.unwrap();
     b.leave().await.unwrap();
-    // Nothing of the job is left but its outcome, and that hangs on a lease too.
+    // Nothing of the job is left but its epoch (the highest generation number) and its
+    // outcome, and those hang on retention leases too.
     let mut client = Connect::new([ep.as_str()]).client(1_000).await.unwrap();
     let left = client
         .get(
@@ -788,17 +801,18 @@ async fn job_below_min_fails_after_the_timeout_and_finish_is_seen_by_all() {
         .iter()
         .map(|kv| (kv.key_str().unwrap().to_string(), kv.lease()))
         .collect();
-    assert_eq!(keys.len(), 1, "{keys:?}");
-    assert_eq!(keys[0].0, "/elastic-run/done/ctl/state");
-    let ttl = client
-        .lease_time_to_live(keys[0].1, None)
-        .await
-        .unwrap()
-        .ttl();
-    assert!(
-        ttl > 0 && ttl <= elastic::keys::STATE_RETENTION_S,
-        "state lease ttl {ttl}"
+    assert_eq!(
+        keys.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(),
+        ["/elastic-run/done/ctl/epoch", "/elastic-run/done/ctl/state"],
+        "{keys:?}"
     );
+    for (key, lease) in keys {
+        let ttl = client.lease_time_to_live(lease, None).await.unwrap().ttl();
+        assert!(
+            ttl > 0 && ttl <= elastic::keys::STATE_RETENTION_S,
+            "{key}: lease ttl {ttl}"
+        );
+    }
 }
 
 #[tokio::test]
@@ -1060,6 +1074,22 @@ async fn etcd_outage_longer_than_the_ttl_fences_everyone_and_the_job_recovers() 
     for h in hs {
         h.leave().await.unwrap();
     }
+    // Wait until every old key is gone with its lease (etcd renews leases once when it comes
+    // back): a total loss, nothing left to carry the generation number over but `ctl/epoch`.
+    let deadline = Instant::now() + Duration::from_millis(ttl_ms + 5_000);
+    loop {
+        let st = status(&Connect::new([ep.as_str()]), "outage")
+            .await
+            .unwrap();
+        if st.members.is_empty() && st.leader.is_none() && st.generation.is_none() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "old keys outlived their leases: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     // The agents join again with new leases; the job continues with the next generation.
     let mut a = Rendezvous::join(cfg(&ep, "outage", "a")).await.unwrap();
     let mut b = Rendezvous::join(cfg(&ep, "outage", "b")).await.unwrap();
@@ -1067,10 +1097,20 @@ async fn etcd_outage_longer_than_the_ttl_fences_everyone_and_the_job_recovers() 
     while g2.members.len() < 2 {
         g2 = next(&mut a, 10_000).await;
     }
-    // Every key hung on leases that are gone now, so the job starts over at generation 1
-    // (documented on `Generation::number`); the record is still a new one.
+    // Every member key hung on leases that are gone now; `ctl/epoch` (on its retention lease)
+    // kept the highest number, so the numbers keep growing.
     assert_eq!(ids(&g2), ["a", "b"]);
     assert!(g2.created_unix_ms > g1.created_unix_ms);
+    assert!(
+        g2.number > g1.number,
+        "generation {} after a total loss, {} before",
+        g2.number,
+        g1.number
+    );
+    println!(
+        "total loss: generation {} before, {} after",
+        g1.number, g2.number
+    );
     assert_eq!(next(&mut b, 5_000).await.number, g2.number);
     a.leave().await.unwrap();
     b.leave().await.unwrap();
@@ -1167,4 +1207,328 @@ async fn broken_generation_below_min_is_announced_until_a_replacement_joins() {
     until(&a, 2_000, "the notice cleared", |s| s.waiting.is_none()).await;
     a.leave().await.unwrap();
     c.leave().await.unwrap();
+}
+
+// ---- restart requests ----
+
+/// Waits for the next generation on both handles at once; returns each with the time since
+/// `t0` at which that handle saw it.
+async fn next_on_both(
+    a: &mut Handle,
+    b: &mut Handle,
+    t0: Instant,
+    within_ms: u64,
+) -> ((Generation, Duration), (Generation, Duration)) {
+    tokio::join!(
+        async {
+            let g = next(a, within_ms).await;
+            (g, t0.elapsed())
+        },
+        async {
+            let g = next(b, within_ms).await;
+            (g, t0.elapsed())
+        }
+    )
+}
+
+/// Asserts that no new generation appears on `h` within `ms`.
+async fn no_new_generation(h: &mut Handle, ms: u64, what: &str) {
+    let before = h.snapshot().generation.map(|g| g.number);
+    if let Ok(r) = timeout(Duration::from_millis(ms), h.next_generation()).await {
+        panic!("{what}: unexpected generation {:?}", r.map(|g| g.number));
+    }
+    assert_eq!(
+        h.snapshot().generation.map(|g| g.number),
+        before,
+        "{what}: the job's generation moved"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_request_restarts_every_member_in_one_new_generation() {
+    let _g = serial().await;
+    let etcd = services::etcd().unwrap();
+    let ep = etcd.endpoint();
+    let two = |node: &str| {
+        let mut c = cfg(&ep, "restartreq", node);
+        c.min_nodes = 2;
+        // A settle window far longer than the measured restart: a restart must not wait for it.
+        c.settle_ms = 3_000;
+        c
+    };
+    let mut a = Rendezvous::join(two("a")).await.unwrap();
+    let mut b = Rendezvous::join(two("b")).await.unwrap();
+    let g1 = next(&mut a, 15_000).await;
+    assert_eq!(next(&mut b, 5_000).await, g1);
+    assert_eq!(ids(&g1), ["a", "b"]);
+    a.report_commit(40).await.unwrap();
+    until(&b, 2_000, "the commit", |s| {
+        s.latest_commit.as_ref().map(|c| c.step) == Some(40)
+    })
+    .await;
+
+    // b's workers failed in g1: it asks for a restart; every member gets g1 + 1 at once.
+    let t0 = Instant::now();
+    b.request_restart(g1.number, "worker 1 exited with code 7")
+        .await
+        .unwrap();
+    let ((g2, at_a), (g2b, at_b)) = next_on_both(&mut a, &mut b, t0, 2_000).await;
+    assert_eq!(g2, g2b, "both members see the same generation");
+    assert_eq!(g2.number, g1.number + 1);
+    assert_eq!(
+        g2.members, g1.members,
+        "same members, same order, same ranks"
+    );
+    assert_eq!(g2.world_size, g1.world_size);
+    assert_eq!(g2.resume_step, Some(40), "resumes from the newest commit");
+    assert_eq!(g2.master_addr, g1.master_addr);
+    assert_ne!(
+        g2.master_port, g1.master_port,
+        "rank 0's spare port, not the previous generation's TCPStore port"
+    );
+    let worst = at_a.max(at_b);
+    println!(
+        "restart request -> new generation at all members: {} ms (a {} ms, b {} ms; settle 3000 ms)",
+        worst.as_millis(),
+        at_a.as_millis(),
+        at_b.as_millis()
+    );
+    assert!(
+        worst < Duration::from_millis(1_500),
+        "restart took {worst:?}"
+    );
+
+    // Both members fail in g2 and both ask: one new generation, not two.
+    let t0 = Instant::now();
+    let (ra, rb) = tokio::join!(
+        a.request_restart(g2.number, "worker 0 exited with code 1"),
+        b.request_restart(g2.number, "worker 1 exited with code 1")
+    );
+    ra.unwrap();
+    rb.unwrap();
+    let ((g3, at_a), (g3b, at_b)) = next_on_both(&mut a, &mut b, t0, 2_000).await;
+    assert_eq!(g3, g3b);
+    assert_eq!(g3.number, g2.number + 1);
+    assert_eq!(g3.members, g1.members);
+    assert_eq!(
+        g3.master_port, g1.master_port,
+        "the port alternates between rank 0's two reserved ports"
+    );
+    println!(
+        "two restart requests for one generation -> one new generation after {} ms",
+        at_a.max(at_b).as_millis()
+    );
+    no_new_generation(&mut a, 1_000, "duplicate restart requests").await;
+
+    // Stale requests (generations already restarted) change nothing.
+    b.request_restart(g2.number, "late report from the old workers")
+        .await
+        .unwrap();
+    a.request_restart(g1.number, "later still").await.unwrap();
+    no_new_generation(&mut b, 1_000, "stale restart requests").await;
+    assert_eq!(a.snapshot().generation.as_deref(), Some(&g3));
+
+    // The request of a generation that does not exist is refused before touching etcd.
+    assert!(matches!(
+        a.request_restart(0, "x").await,
+        Err(Error::InvalidConfig { .. })
+    ));
+
+    // The requests hang on the requesters' leases: nothing is left once they leave.
+    a.leave().await.unwrap();
+    b.leave().await.unwrap();
+    let mut client = Connect::new([ep.as_str()]).client(1_000).await.unwrap();
+    let left = client
+        .get(
+            Keys::new("restartreq").restart_prefix(),
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
+    assert!(left.kvs().is_empty(), "restart requests left behind");
+}
+
+// ---- generation numbers across a total loss, and the epoch's lease ----
+
+/// The `ctl/epoch` record and the lease it hangs on.
+async fn read_epoch(client: &mut etcd_client::Client, job: &str) -> Option<(EpochRecord, i64)> {
+    let key = Keys::new(job).epoch();
+    let resp = client.get(key.clone(), None).await.unwrap();
+    let kv = resp.kvs().first()?;
+    Some((record::parse(&key, kv.value()).unwrap(), kv.lease()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn epoch_moves_to_fresh_retention_leases_without_piling_them_up() {
+    let _g = serial().await;
+    let etcd = services::etcd().unwrap();
+    let ep = etcd.endpoint();
+    let mut c = cfg(&ep, "epoch", "a");
+    c.epoch_refresh_ms = 1_000;
+    let mut a = Rendezvous::join(c).await.unwrap();
+    let g1 = next(&mut a, 10_000).await;
+    let mut client = Connect::new([ep.as_str()]).client(1_000).await.unwrap();
+    let (e1, lease1) = read_epoch(&mut client, "epoch").await.expect("ctl/epoch");
+    assert_eq!(e1.number, g1.number, "written with the generation");
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    let (e2, lease2) = read_epoch(&mut client, "epoch").await.expect("ctl/epoch");
+    assert_eq!(e2.number, g1.number);
+    assert_ne!(lease2, lease1, "moved to a fresh lease");
+    let old = client.lease_time_to_live(lease1, None).await.unwrap();
+    assert_eq!(old.ttl(), -1, "the old lease was revoked");
+    let new = client.lease_time_to_live(lease2, None).await.unwrap();
+    assert!(
+        new.ttl() > elastic::keys::STATE_RETENTION_S - 60,
+        "retention lease ttl {}",
+        new.ttl()
+    );
+    // The member's lease, the epoch's, and at most one just granted for the next move.
+    let leases = client.leases().await.unwrap();
+    assert!(
+        leases.leases().len() <= 3,
+        "{} leases after 3 refreshes",
+        leases.leases().len()
+    );
+    a.leave().await.unwrap();
+}
+
+// ---- compaction ----
+
+/// A TCP proxy the test can pause: while paused it moves no bytes either way (connections stay
+/// open), so etcd's sends to the watcher behind it back up, as to a stalled client.
+struct PausableProxy {
+    port: u16,
+    paused: tokio::sync::watch::Sender<bool>,
+}
+
+impl PausableProxy {
+    async fn start(upstream: std::net::SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (paused, rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Ok(outbound) = TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                let (ri, wi) = inbound.into_split();
+                let (ro, wo) = outbound.into_split();
+                tokio::spawn(Self::pipe(ri, wo, rx.clone()));
+                tokio::spawn(Self::pipe(ro, wi, rx.clone()));
+            }
+        });
+        Self { port, paused }
+    }
+
+    async fn pipe(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        mut paused: tokio::sync::watch::Receiver<bool>,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            while *paused.borrow_and_update() {
+                if paused.changed().await.is_err() {
+                    return;
+                }
+            }
+            tokio::select! {
+                n = from.read(&mut buf) => match n {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => if to.write_all(&buf[..n]).await.is_err() { return },
+                },
+                _ = paused.changed() => {}
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_behind_a_compaction_re_reads_and_keeps_following_generations() {
+    let _g = serial().await;
+    let etcd = services::etcd().unwrap();
+    let ep = etcd.endpoint();
+    let proxy = PausableProxy::start(etcd.service.addr()).await;
+    let job = "compact";
+    // The leader talks to etcd directly; the follower `f` through the proxy, with a TTL long
+    // enough that the pause below does not fence it.
+    let mut a = Rendezvous::join(cfg(&ep, job, "a")).await.unwrap();
+    until(&a, 5_000, "a leading", |s| s.leader.as_deref() == Some("a")).await;
+    let mut fc = cfg(&format!("http://127.0.0.1:{}", proxy.port), job, "f");
+    fc.lease_ttl_ms = 30_000;
+    let mut f = Rendezvous::join(fc).await.unwrap();
+    let mut g = next(&mut f, 10_000).await;
+    while g.members.len() < 2 {
+        g = next(&mut f, 10_000).await;
+    }
+    let g1 = g;
+
+    // Stall f's connection, and write more under ctl/ than the HTTP/2 windows and socket
+    // buffers hold (some MB) plus etcd's per-stream queue (128 responses): f's watcher falls
+    // behind (a "slow watcher" in etcd's terms), and etcd stops sending it events.
+    proxy.paused.send_replace(true);
+    let t0 = Instant::now();
+    let writer = Connect::new([ep.as_str()]).client(1_000).await.unwrap();
+    let noise = vec![b'x'; 64 * 1024];
+    futures::future::join_all((0..8).map(|w| {
+        let mut c = writer.clone();
+        let noise = noise.clone();
+        async move {
+            for _ in 0..60 {
+                let key = format!("/elastic-run/{job}/ctl/noise/{w}");
+                c.put(key, noise.clone(), None).await.unwrap();
+            }
+        }
+    }))
+    .await;
+    // Meanwhile the job moves on: c joins, and the leader freezes a generation f misses.
+    let mut c = Rendezvous::join(cfg(&ep, job, "c")).await.unwrap();
+    let mut g2 = next(&mut a, 5_000).await;
+    while g2.members.len() < 3 {
+        g2 = next(&mut a, 5_000).await;
+    }
+    assert_eq!(next(&mut c, 5_000).await, g2);
+    // Compact away every revision f has not seen.
+    let mut admin = writer.clone();
+    let rev = admin
+        .get(Keys::new(job).prefix(), None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
+    admin
+        .compact(
+            rev,
+            Some(etcd_client::CompactionOptions::new().with_physical()),
+        )
+        .await
+        .unwrap();
+    let paused_for = t0.elapsed();
+    proxy.paused.send_replace(false);
+
+    // f's watch gets the compaction notice; it re-reads and sees the generation it missed.
+    let t1 = Instant::now();
+    let seen = next(&mut f, 10_000).await;
+    println!(
+        "watch behind a compaction: f stalled {} ms, saw the missed generation {} ms after resuming ({} compacted watch(es))",
+        paused_for.as_millis(),
+        t1.elapsed().as_millis(),
+        f.watch_compactions_total()
+    );
+    assert_eq!(seen, g2);
+    assert!(
+        f.watch_compactions_total() >= 1,
+        "f never hit the compacted revision, so this test proved nothing"
+    );
+    assert!(!f.is_fenced());
+
+    // And it keeps following: c leaves, f sees the next generation through its new watch.
+    c.leave().await.unwrap();
+    let g3 = next(&mut f, 5_000).await;
+    assert_eq!(ids(&g3), ["a", "f"]);
+    assert!(g3.number > g2.number && g2.number > g1.number);
+    a.leave().await.unwrap();
+    f.leave().await.unwrap();
 }

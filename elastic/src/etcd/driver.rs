@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use etcd_client::{Client, EventType, GetOptions, KeyValue, WatchOptions};
@@ -13,10 +14,10 @@ use tokio_util::sync::CancellationToken;
 use super::ops::{self, bounded};
 use super::{RendezvousConfig, Snapshot};
 use crate::core::{self, CommitInfo, Decision, MemberState, Observed, Tracker};
-use crate::keys::Keys;
+use crate::keys::{Keys, STATE_RETENTION_S};
 use crate::record::{
-    self, CommitRecord, Generation, JobState, LeaderRecord, MemberRecord, Outcome, RankedMember,
-    WaitingRecord,
+    self, CommitRecord, EpochRecord, Generation, JobState, LeaderRecord, MemberRecord, Outcome,
+    RankedMember, RestartRecord, WaitingRecord,
 };
 use crate::{Error, Result};
 
@@ -44,12 +45,25 @@ pub(crate) struct View {
     pub commit_rev: i64,
     pub state: Option<JobState>,
     pub waiting: Option<WaitingRecord>,
+    /// Restart requests by requester (`ctl/restart/<node>`).
+    pub restarts: BTreeMap<String, RestartRecord>,
+    /// The highest generation number seen in `ctl/epoch` (kept across deletes and re-reads).
+    pub epoch: u64,
+    /// The lease `ctl/epoch` hangs on now; 0 when the key is absent.
+    pub epoch_lease: i64,
 }
 
 impl View {
     /// Applies one key's value (`None`: deleted). Bad values are logged and skipped: a
     /// corrupt record must not take the agent down.
-    pub fn apply(&mut self, keys: &Keys, key: &str, value: Option<&[u8]>, mod_rev: i64) {
+    pub fn apply(
+        &mut self,
+        keys: &Keys,
+        key: &str,
+        value: Option<&[u8]>,
+        mod_rev: i64,
+        lease: i64,
+    ) {
         let Some(rel) = key.strip_prefix(keys.prefix()) else {
             return;
         };
@@ -105,6 +119,32 @@ impl View {
                 ("ctl/commit", None) => self.commit_mod_rev = 0,
                 ("ctl/waiting", Some(v)) => self.waiting = Some(record::parse(key, v)?),
                 ("ctl/waiting", None) => self.waiting = None,
+                (r, v) if r.starts_with("ctl/restart/") => {
+                    let id = &r["ctl/restart/".len()..];
+                    match v {
+                        Some(v) => {
+                            let req: RestartRecord = record::parse(key, v)?;
+                            if req.node_id != id {
+                                return Err(Error::BadValue {
+                                    key: key.to_string(),
+                                    reason: format!("record names node {}", req.node_id),
+                                });
+                            }
+                            if self.restarts.len() < MEMBERS_MAX || self.restarts.contains_key(id) {
+                                self.restarts.insert(id.to_string(), req);
+                            }
+                        }
+                        None => {
+                            self.restarts.remove(id);
+                        }
+                    }
+                }
+                ("ctl/epoch", Some(v)) => {
+                    let e: EpochRecord = record::parse(key, v)?;
+                    self.epoch = self.epoch.max(e.number);
+                    self.epoch_lease = lease;
+                }
+                ("ctl/epoch", None) => self.epoch_lease = 0,
                 ("ctl/state", Some(v)) => self.state = Some(record::parse(key, v)?),
                 ("ctl/state", None) => self.state = None,
                 _ => tracing::debug!(key, "unknown key ignored"),
@@ -123,11 +163,12 @@ impl View {
             generation: self.generation.clone(),
             commit: self.commit.clone(),
             commit_rev: self.commit_rev,
+            epoch: self.epoch,
             ..View::default()
         };
         for kv in kvs {
             let Ok(key) = kv.key_str() else { continue };
-            fresh.apply(keys, key, Some(kv.value()), kv.mod_revision());
+            fresh.apply(keys, key, Some(kv.value()), kv.mod_revision(), kv.lease());
         }
         if !with_members {
             fresh.members.clear();
@@ -146,6 +187,12 @@ pub(crate) struct Driver {
     pub snapshot_tx: watch::Sender<Snapshot>,
     pub cancel: CancellationToken,
     pub request_timeout_ms: u64,
+    /// Watches that ended because etcd compacted the revisions they still had to deliver.
+    pub compacted_watches: Arc<AtomicU64>,
+    /// The retention lease this leader keeps `ctl/epoch` on, and when it was granted.
+    pub epoch_lease: Option<(i64, Instant)>,
+    /// Since when this node leads (kept across re-syncs, cleared when it stops leading).
+    pub leading_since: Option<Instant>,
 }
 
 enum Exit {
@@ -188,6 +235,13 @@ impl Driver {
     /// watch range), on watch failure, or when the job ends.
     async fn session(&mut self) -> Result<Exit> {
         let leading = self.is_leader();
+        if leading {
+            self.leading_since.get_or_insert_with(Instant::now);
+        } else {
+            // A lease granted for `ctl/epoch` but never attached expires with its retention.
+            self.leading_since = None;
+            self.epoch_lease = None;
+        }
         let range = if leading {
             self.keys.prefix().to_string()
         } else {
@@ -232,11 +286,17 @@ impl Driver {
                 }
             }
             let wake = next_decision_at;
+            let refresh_at = leading.then(|| self.epoch_refresh_at());
             tokio::select! {
                 _ = self.cancel.cancelled() => return Ok(Exit::Stop),
                 _ = async { sleep_until(wake.expect("guarded")).await }, if wake.is_some() => {
                     next_decision_at = None;
                     changed = true;
+                }
+                _ = async { sleep_until(refresh_at.expect("guarded")).await }, if refresh_at.is_some() => {
+                    if !self.refresh_epoch().await? {
+                        return Ok(Exit::Resync);
+                    }
                 }
                 msg = stream.message() => {
                     let msg = msg.map_err(|e| Error::etcd("watch", range.clone(), e))?;
@@ -248,6 +308,7 @@ impl Driver {
                     if msg.canceled() {
                         if msg.compact_revision() > 0 {
                             // Events we missed were compacted away: a fresh read replaces them.
+                            self.compacted_watches.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(compact_revision = msg.compact_revision(), "watch behind compaction; re-reading");
                             return Ok(Exit::Resync);
                         }
@@ -262,7 +323,7 @@ impl Driver {
                             EventType::Put => Some(kv.value()),
                             EventType::Delete => None,
                         };
-                        self.view.apply(&self.keys, key, value, kv.mod_revision());
+                        self.view.apply(&self.keys, key, value, kv.mod_revision(), kv.lease());
                         changed = true;
                     }
                 }
@@ -404,6 +465,7 @@ impl Driver {
             .collect();
         let core_cfg = self.cfg.core_config();
         let timing = tracker.observe(now_ms, &observed, core_cfg.min_nodes);
+        let current_number = self.view.generation.as_ref().map_or(0, |g| g.number);
         let input = core::Input {
             now_ms,
             members: observed,
@@ -413,6 +475,14 @@ impl Driver {
                 at: self.view.commit_rev as u64,
             }),
             timing,
+            current_number,
+            restart_requested_for: self
+                .view
+                .restarts
+                .values()
+                .map(|r| r.generation)
+                .filter(|g| *g <= current_number)
+                .max(),
         };
         let decision = core::decide(&core_cfg, &input);
         tracing::debug!(?decision, "decision");
@@ -426,25 +496,40 @@ impl Driver {
             }
             Decision::Freeze { members, reason } => {
                 let generation = self.build_generation(&members, now_ms)?;
-                match ops::write_generation(
+                let epoch_lease = self.epoch_lease_for_write().await?;
+                match ops::write_generation_and_epoch(
                     &mut self.client,
                     &self.keys,
                     &self.cfg.node_id,
                     self.lease_id,
                     self.view.generation_mod_rev,
                     &generation,
+                    Some(epoch_lease),
                     self.request_timeout_ms,
                 )
                 .await
                 {
                     Ok(rev) => {
+                        let requested_by: Vec<&str> = match &reason {
+                            core::Reason::RestartRequested { generation } => self
+                                .view
+                                .restarts
+                                .values()
+                                .filter(|r| r.generation == *generation)
+                                .map(|r| r.node_id.as_str())
+                                .collect(),
+                            _ => Vec::new(),
+                        };
                         tracing::info!(
                             generation = generation.number,
                             world_size = generation.world_size,
                             members = ?generation.node_ids(),
+                            master_port = generation.master_port,
                             %reason,
+                            ?requested_by,
                             "froze generation"
                         );
+                        self.epoch_written(generation.number, epoch_lease);
                         self.view.generation = Some(Arc::new(generation));
                         self.view.generation_mod_rev = rev;
                         self.publish();
@@ -454,7 +539,12 @@ impl Driver {
                         tracing::warn!("generation write refused: deposed or raced; re-reading");
                         Ok(Some(Exit::Resync))
                     }
-                    Err(e) => Err(e),
+                    Err(e) => {
+                        // The epoch lease may be what failed (gone from the server): take a
+                        // fresh one next time.
+                        self.epoch_lease = None;
+                        Err(e)
+                    }
                 }
             }
             Decision::Fail { reason } => {
@@ -511,6 +601,95 @@ impl Driver {
         Ok(())
     }
 
+    /// When this leader moves `ctl/epoch` to a fresh retention lease next.
+    fn epoch_refresh_at(&mut self) -> Instant {
+        let every = Duration::from_millis(self.cfg.epoch_refresh_ms);
+        match self.epoch_lease {
+            Some((_, granted_at)) => granted_at + every,
+            None => *self.leading_since.get_or_insert_with(Instant::now) + every,
+        }
+    }
+
+    /// The retention lease for the next `ctl/epoch` write: this leader's own while it is
+    /// younger than the refresh period (no extra round trip on the restart path), else a fresh
+    /// one.
+    async fn epoch_lease_for_write(&mut self) -> Result<i64> {
+        let every = Duration::from_millis(self.cfg.epoch_refresh_ms);
+        if let Some((id, granted_at)) = self.epoch_lease
+            && granted_at.elapsed() < every
+        {
+            return Ok(id);
+        }
+        let granted_at = Instant::now();
+        let lease = bounded(
+            "lease grant",
+            &self.keys.epoch(),
+            self.request_timeout_ms,
+            self.client.lease_grant(STATE_RETENTION_S, None),
+        )
+        .await?;
+        self.epoch_lease = Some((lease.id(), granted_at));
+        Ok(lease.id())
+    }
+
+    /// After `ctl/epoch` was written with `number` under `lease`: revokes the lease it hung on
+    /// before (nothing else is attached to it), so leases do not pile up across leaders.
+    fn epoch_written(&mut self, number: u64, lease: i64) {
+        let before = self.view.epoch_lease;
+        self.view.epoch = self.view.epoch.max(number);
+        self.view.epoch_lease = lease;
+        if before != 0 && before != lease && before != self.lease_id {
+            let mut client = self.client.clone();
+            let timeout_ms = self.request_timeout_ms;
+            let key = self.keys.epoch();
+            tokio::spawn(async move {
+                if let Err(e) = bounded(
+                    "lease revoke",
+                    &key,
+                    timeout_ms,
+                    client.lease_revoke(before),
+                )
+                .await
+                {
+                    // It expires with its retention anyway.
+                    tracing::debug!(error = %e, "old epoch lease not revoked");
+                }
+            });
+        }
+    }
+
+    /// Moves `ctl/epoch` to a fresh retention lease, so that it outlives the job by a full
+    /// retention however long the job runs. Returns whether this node still leads.
+    async fn refresh_epoch(&mut self) -> Result<bool> {
+        let number = self
+            .view
+            .epoch
+            .max(self.view.generation.as_ref().map_or(0, |g| g.number));
+        if number == 0 {
+            // No generation yet: nothing to keep.
+            self.leading_since = Some(Instant::now());
+            self.epoch_lease = None;
+            return Ok(true);
+        }
+        self.epoch_lease = None;
+        let lease = self.epoch_lease_for_write().await?;
+        let leads = ops::write_epoch(
+            &mut self.client,
+            &self.keys,
+            self.lease_id,
+            number,
+            lease,
+            self.request_timeout_ms,
+        )
+        .await
+        .inspect_err(|_| self.epoch_lease = None)?;
+        if leads {
+            tracing::debug!(number, lease, "epoch moved to a fresh retention lease");
+            self.epoch_written(number, lease);
+        }
+        Ok(leads)
+    }
+
     fn build_generation(&self, ids: &[String], now_ms: u64) -> Result<Generation> {
         let mut members = Vec::with_capacity(ids.len());
         let mut offset: u32 = 0;
@@ -533,23 +712,36 @@ impl Driver {
                 })?;
         }
         let rank0 = &self.view.members[&ids[0]];
-        let previous_world = self
-            .view
-            .generation
-            .as_ref()
-            .map(|g| u64::from(g.world_size));
+        let previous = self.view.generation.as_deref();
+        let previous_world = previous.map(|g| u64::from(g.world_size));
         let scaling = self.cfg.scaling.decide(u64::from(offset), previous_world)?;
+        // `ctl/epoch` holds the highest number ever frozen, even after a total loss.
+        let number = previous.map_or(0, |g| g.number).max(self.view.epoch) + 1;
         Ok(Generation {
             version: record::RECORD_VERSION,
-            number: self.view.generation.as_ref().map_or(0, |g| g.number) + 1,
+            number,
             members,
             world_size: offset,
             master_addr: rank0.addr.clone(),
-            master_port: rank0.master_port,
+            master_port: master_port(previous, rank0),
             scaling,
             resume_step: self.view.commit.as_ref().map(|c| c.step),
             created_unix_ms: now_ms,
         })
+    }
+}
+
+/// `MASTER_PORT` for a generation whose rank 0 is `rank0`: its reserved port, or its spare
+/// when the previous generation used the reserved one on the same host, so a new TCPStore
+/// never has to bind the port the previous generation's store (maybe not yet gone) held.
+fn master_port(previous: Option<&Generation>, rank0: &MemberRecord) -> u16 {
+    match (previous, rank0.spare_master_port) {
+        (Some(prev), Some(spare))
+            if prev.master_addr == rank0.addr && prev.master_port == rank0.master_port =>
+        {
+            spare
+        }
+        _ => rank0.master_port,
     }
 }
 
@@ -565,6 +757,7 @@ mod tests {
             nproc: 1,
             master_port: 1,
             joined_unix_ms: 0,
+            spare_master_port: None,
         })
     }
 
@@ -572,20 +765,120 @@ mod tests {
     fn view_skips_bad_values_and_mismatched_member_ids() {
         let keys = Keys::new("j");
         let mut v = View::default();
-        v.apply(&keys, &keys.member("a"), Some(&member("a")), 5);
-        v.apply(&keys, &keys.member("b"), Some(&member("not-b")), 6);
-        v.apply(&keys, &keys.member("c"), Some(b"\x00garbage"), 7);
-        v.apply(&keys, &keys.leader(), Some(b"{\"version\":9}"), 8);
+        v.apply(&keys, &keys.member("a"), Some(&member("a")), 5, 0);
+        v.apply(&keys, &keys.member("b"), Some(&member("not-b")), 6, 0);
+        v.apply(&keys, &keys.member("c"), Some(b"\x00garbage"), 7, 0);
+        v.apply(&keys, &keys.leader(), Some(b"{\"version\":9}"), 8, 0);
         v.apply(
             &keys,
             "/elastic-run/other-job/members/x",
             Some(&member("x")),
             9,
+            0,
         );
         assert_eq!(v.members.keys().collect::<Vec<_>>(), ["a"]);
         assert!(v.leader.is_none());
-        v.apply(&keys, &keys.member("a"), None, 10);
+        v.apply(&keys, &keys.member("a"), None, 10, 0);
         assert!(v.members.is_empty());
+    }
+
+    fn restart(node: &str, generation: u64) -> Vec<u8> {
+        record::encode(&RestartRecord {
+            version: record::RECORD_VERSION,
+            generation,
+            node_id: node.into(),
+            reason: "worker 3 exited with 1".into(),
+            requested_unix_ms: 0,
+        })
+    }
+
+    #[test]
+    fn view_tracks_restart_requests_per_node_and_the_highest_epoch() {
+        let keys = Keys::new("j");
+        let mut v = View::default();
+        v.apply(&keys, &keys.restart("a"), Some(&restart("a", 3)), 5, 0);
+        v.apply(&keys, &keys.restart("b"), Some(&restart("b", 2)), 6, 0);
+        // A record naming another node than its key is ignored.
+        v.apply(&keys, &keys.restart("c"), Some(&restart("a", 9)), 7, 0);
+        assert_eq!(
+            v.restarts
+                .iter()
+                .map(|(k, r)| (k.as_str(), r.generation))
+                .collect::<Vec<_>>(),
+            [("a", 3), ("b", 2)]
+        );
+        v.apply(&keys, &keys.restart("a"), None, 8, 0);
+        assert_eq!(v.restarts.keys().collect::<Vec<_>>(), ["b"]);
+
+        let epoch = |n: u64| {
+            record::encode(&EpochRecord {
+                version: record::RECORD_VERSION,
+                number: n,
+            })
+        };
+        v.apply(&keys, &keys.epoch(), Some(&epoch(7)), 9, 77);
+        assert_eq!((v.epoch, v.epoch_lease), (7, 77));
+        v.apply(&keys, &keys.epoch(), None, 10, 0);
+        assert_eq!(
+            (v.epoch, v.epoch_lease),
+            (7, 0),
+            "the number survives the delete"
+        );
+        v.reset_from(&keys, &[], false);
+        assert_eq!(v.epoch, 7, "and a re-read without the key");
+    }
+
+    #[test]
+    fn master_port_alternates_with_the_spare_when_rank_0_stays() {
+        let rank0 = MemberRecord {
+            version: record::RECORD_VERSION,
+            node_id: "a".into(),
+            addr: "h".into(),
+            nproc: 1,
+            master_port: 100,
+            joined_unix_ms: 0,
+            spare_master_port: Some(200),
+        };
+        let scaling = crate::scaling::ScalingConfig {
+            mode: crate::scaling::ScalingMode::None,
+            per_worker_batch: 1,
+            base_world_size: 1,
+            base_lr: 1.0,
+            global_batch: None,
+            on_indivisible: crate::scaling::OnIndivisible::Nearest,
+            warmup_steps: None,
+        }
+        .decide(1, None)
+        .unwrap();
+        let prev = |addr: &str, port: u16| Generation {
+            version: record::RECORD_VERSION,
+            number: 1,
+            members: vec![RankedMember {
+                node_id: "x".into(),
+                addr: addr.into(),
+                nproc: 1,
+                rank_offset: 0,
+            }],
+            world_size: 1,
+            master_addr: addr.into(),
+            master_port: port,
+            scaling: scaling.clone(),
+            resume_step: None,
+            created_unix_ms: 1,
+        };
+        assert_eq!(master_port(None, &rank0), 100);
+        assert_eq!(master_port(Some(&prev("h", 100)), &rank0), 200);
+        assert_eq!(master_port(Some(&prev("h", 200)), &rank0), 100);
+        assert_eq!(master_port(Some(&prev("other", 100)), &rank0), 100);
+        let fixed = MemberRecord {
+            spare_master_port: None,
+            ..rank0
+        };
+        assert_eq!(
+            master_port(Some(&prev("h", 100)), &fixed),
+            100,
+            "a configured port is kept"
+        );
     }
 
     #[test]
@@ -618,9 +911,9 @@ mod tests {
             created_unix_ms: 1,
         };
         let mut v = View::default();
-        v.apply(&keys, &keys.generation(), Some(&record::encode(&g)), 42);
+        v.apply(&keys, &keys.generation(), Some(&record::encode(&g)), 42, 0);
         assert_eq!(v.generation_mod_rev, 42);
-        v.apply(&keys, &keys.generation(), None, 43);
+        v.apply(&keys, &keys.generation(), None, 43, 0);
         assert_eq!(
             v.generation.as_deref(),
             Some(&g),

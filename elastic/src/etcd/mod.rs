@@ -17,7 +17,14 @@
 //! - The leader key hangs on the leader's lease; when it dies, the others campaign at once,
 //!   so a new leader is in place within one TTL of the old leader's last renewal.
 //! - etcd restarts shorter than `TTL - fence_margin` are ridden out (leases survive a restart);
-//!   longer outages fence every member, as lost leases.
+//!   longer outages fence every member, as lost leases. Generation numbers keep growing
+//!   across such a total loss (`ctl/epoch`, see [`keys`](crate::keys)).
+//! - [`Handle::request_restart`] is one put; the leader freezes the restart generation as soon
+//!   as its watch delivers it (no settle window), so every member sees the new generation a
+//!   few etcd round trips later (1-20 ms on loopback in `tests/etcd.rs`).
+//! - A watch that falls behind an etcd compaction (etcd cancels it with the compact revision)
+//!   re-reads the job and watches again from there; [`Handle::watch_compactions_total`]
+//!   counts it.
 
 mod driver;
 mod lease;
@@ -25,6 +32,7 @@ mod ops;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use etcd_client::{
@@ -40,7 +48,7 @@ use tracing::Instrument;
 pub use ops::{campaign, write_generation};
 
 use crate::core::{CoreConfig, JoinPolicy};
-use crate::keys::{Keys, STATE_RETENTION_S};
+use crate::keys::{EPOCH_REFRESH_S, Keys, STATE_RETENTION_S};
 use crate::record::{
     self, CommitRecord, Generation, JobState, LeaderRecord, MemberRecord, Outcome, WaitingRecord,
     validate_node_id,
@@ -205,6 +213,9 @@ pub struct RendezvousConfig {
     /// How long before the TTL ends an unrenewed lease fences this node; `None`: TTL/4.
     pub fence_margin_ms: Option<u64>,
     pub scaling: ScalingConfig,
+    /// How often the leader moves `ctl/epoch` to a fresh retention lease (see
+    /// [`keys`](crate::keys)); [`EPOCH_REFRESH_S`] by default. Tests shorten it.
+    pub epoch_refresh_ms: u64,
 }
 
 impl RendezvousConfig {
@@ -233,6 +244,7 @@ impl RendezvousConfig {
             lease_ttl_ms: LEASE_TTL_MS_DEFAULT,
             fence_margin_ms: None,
             scaling,
+            epoch_refresh_ms: EPOCH_REFRESH_S * 1000,
         }
     }
 
@@ -294,6 +306,18 @@ impl RendezvousConfig {
                 ),
             });
         }
+        // The epoch must be moved to a fresh lease well before its retention ends.
+        let retention_ms = STATE_RETENTION_S as u64 * 1000;
+        if self.epoch_refresh_ms < 1000 || self.epoch_refresh_ms > retention_ms / 2 {
+            return Err(Error::InvalidConfig {
+                field: "epoch_refresh_ms",
+                reason: format!(
+                    "{} ms must be within 1000..={} (half the epoch retention)",
+                    self.epoch_refresh_ms,
+                    retention_ms / 2
+                ),
+            });
+        }
         self.core_config().validate()?;
         self.scaling.validate()
     }
@@ -344,9 +368,12 @@ impl Rendezvous {
             let timeout_ms = cfg.connect.request_timeout_ms;
             clear_stale_state(&mut client, &keys, &cfg.job_id, timeout_ms).await?;
 
-            let master_port = match cfg.master_port {
-                Some(p) => p,
-                None => reserve_port()?,
+            let (master_port, spare_master_port) = match cfg.master_port {
+                Some(p) => (p, None),
+                None => {
+                    let (p, spare) = reserve_ports()?;
+                    (p, Some(spare))
+                }
             };
             let member_key = keys.member(&cfg.node_id);
             // A registration left by this node's previous, fenced handle lives until its lease
@@ -371,6 +398,7 @@ impl Rendezvous {
                     nproc: cfg.nproc,
                     master_port,
                     joined_unix_ms: ops::now_unix_ms(),
+                    spare_master_port,
                 };
                 let txn = Txn::new()
                     .when([Compare::create_revision(
@@ -419,6 +447,7 @@ impl Rendezvous {
                 cancel: cancel.clone(),
             };
             let keeper_task = tokio::spawn(keeper.run(granted_at).in_current_span());
+            let compacted_watches = Arc::new(AtomicU64::new(0));
             let driver = driver::Driver {
                 client: client.clone(),
                 keys: keys.clone(),
@@ -428,6 +457,9 @@ impl Rendezvous {
                 snapshot_tx,
                 cancel: cancel.clone(),
                 request_timeout_ms: timeout_ms,
+                compacted_watches: compacted_watches.clone(),
+                epoch_lease: None,
+                leading_since: None,
             };
             let driver_task = tokio::spawn(driver.run().in_current_span());
             Ok(Handle {
@@ -439,6 +471,7 @@ impl Rendezvous {
                 fenced_rx,
                 cancel,
                 last_returned: None,
+                compacted_watches,
                 tasks: vec![keeper_task, driver_task],
                 span: tracing::Span::current(),
             })
@@ -460,6 +493,7 @@ pub struct Handle {
     cancel: CancellationToken,
     /// `(number, created_unix_ms)` of the generation last returned by `next_generation`.
     last_returned: Option<(u64, u64)>,
+    compacted_watches: Arc<AtomicU64>,
     tasks: Vec<JoinHandle<()>>,
     span: tracing::Span,
 }
@@ -482,6 +516,12 @@ impl Handle {
     /// A receiver that changes whenever the snapshot does.
     pub fn subscribe(&self) -> watch::Receiver<Snapshot> {
         self.snapshot_rx.clone()
+    }
+
+    /// How many times this handle's watch fell behind an etcd compaction (and re-read the job
+    /// instead). For metrics (`..._total`) and tests.
+    pub fn watch_compactions_total(&self) -> u64 {
+        self.compacted_watches.load(Ordering::Relaxed)
     }
 
     /// Whether this node leads now.
@@ -638,6 +678,57 @@ impl Handle {
         )
         .await?;
         tracing::info!(parent: &self.span, "drain announced");
+        Ok(())
+    }
+
+    /// Asks for the whole job to restart in a new generation, because this node's workers
+    /// failed in `generation` (the number of the generation they ran). Every node then gets a
+    /// new generation with the same members in the same order (draining ones left out, waiting
+    /// ones admitted up to `max`), the newest commit as resume step and, where rank 0 reserved
+    /// a spare, a master port other than the previous generation's.
+    ///
+    /// The leader acts at once (no settle window) on a request naming the current generation.
+    /// A request naming an older one is ignored: that generation was already restarted or
+    /// re-formed. So several nodes asking for the same generation give one new generation.
+    ///
+    /// The request is a small record at `ctl/restart/<node>` under this node's lease: it goes
+    /// with the node. `reason` is kept to [`REASON_BYTES_MAX`](record::REASON_BYTES_MAX) bytes.
+    /// Returns once etcd stored it; watch [`Handle::next_generation`] for the outcome.
+    pub async fn request_restart(&self, generation: u64, reason: &str) -> Result<()> {
+        if let Some(why) = self.fenced_rx.borrow().clone() {
+            return Err(self.fenced_error(why));
+        }
+        let key = self.keys.restart(&self.cfg.node_id);
+        if generation == 0 {
+            return Err(Error::InvalidConfig {
+                field: "generation",
+                reason: "generation numbers start at 1".into(),
+            });
+        }
+        let mut end = reason.len().min(record::REASON_BYTES_MAX);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        let rec = record::RestartRecord {
+            version: record::RECORD_VERSION,
+            generation,
+            node_id: self.cfg.node_id.clone(),
+            reason: reason[..end].to_string(),
+            requested_unix_ms: ops::now_unix_ms(),
+        };
+        let mut client = self.client.clone();
+        ops::bounded(
+            "restart request",
+            &key,
+            self.cfg.connect.request_timeout_ms,
+            client.put(
+                key.clone(),
+                record::encode(&rec),
+                Some(PutOptions::new().with_lease(self.lease_id)),
+            ),
+        )
+        .await?;
+        tracing::info!(parent: &self.span, generation, reason = rec.reason, "restart requested");
         Ok(())
     }
 
@@ -798,19 +889,20 @@ async fn clear_stale_state(
     Ok(())
 }
 
-/// Picks a free TCP port for `MASTER_PORT`. The listener is closed again so the worker can
-/// bind it; another process could take it in between (the same race torchrun accepts).
-fn reserve_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind(("0.0.0.0", 0)).map_err(|e| Error::InvalidConfig {
+/// Picks two distinct free TCP ports for `MASTER_PORT` (the reserved one and its spare). The
+/// listeners are closed again so the workers can bind them; another process could take one in
+/// between (the same race torchrun accepts).
+fn reserve_ports() -> Result<(u16, u16)> {
+    let bad = |e: std::io::Error| Error::InvalidConfig {
         field: "master_port",
         reason: format!("no free port to reserve: {e}"),
-    })?;
-    l.local_addr()
-        .map(|a| a.port())
-        .map_err(|e| Error::InvalidConfig {
-            field: "master_port",
-            reason: format!("no free port to reserve: {e}"),
-        })
+    };
+    // Both listeners are open at once, so the kernel cannot hand out the same port twice.
+    let a = std::net::TcpListener::bind(("0.0.0.0", 0)).map_err(bad)?;
+    let b = std::net::TcpListener::bind(("0.0.0.0", 0)).map_err(bad)?;
+    let a = a.local_addr().map_err(bad)?.port();
+    let b = b.local_addr().map_err(bad)?.port();
+    Ok((a, b))
 }
 
 /// A job as `elastic-run status` shows it.
@@ -850,7 +942,7 @@ pub async fn status(connect: &Connect, job_id: &str) -> Result<Status> {
         if key == keys.generation() {
             let _: Generation = record::parse(key, kv.value())?;
         }
-        view.apply(&keys, key, Some(kv.value()), kv.mod_revision());
+        view.apply(&keys, key, Some(kv.value()), kv.mod_revision(), kv.lease());
     }
     Ok(Status {
         members: view.members.into_values().collect(),

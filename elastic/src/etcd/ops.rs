@@ -7,7 +7,7 @@ use std::time::Duration;
 use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp};
 
 use crate::keys::Keys;
-use crate::record::{self, CommitRecord, Generation, LeaderRecord, WaitingRecord};
+use crate::record::{self, CommitRecord, EpochRecord, Generation, LeaderRecord, WaitingRecord};
 use crate::{Error, Result};
 
 /// Runs one etcd call with a deadline.
@@ -56,7 +56,8 @@ pub async fn campaign(
 /// The leader's fenced generation write. It succeeds only while the leader key is attached to
 /// `leader_lease_id` and the generation key's mod revision is still `prev_mod_revision` (0 when
 /// the key is absent). Returns the new mod revision; a deposed leader gets
-/// [`Error::NotLeader`].
+/// [`Error::NotLeader`]. It does not move `ctl/epoch` (the rendezvous driver does, in the same
+/// transaction, for every new generation).
 pub async fn write_generation(
     client: &mut Client,
     keys: &Keys,
@@ -66,23 +67,62 @@ pub async fn write_generation(
     generation: &Generation,
     timeout_ms: u64,
 ) -> Result<i64> {
+    write_generation_and_epoch(
+        client,
+        keys,
+        node_id,
+        leader_lease_id,
+        prev_mod_revision,
+        generation,
+        None,
+        timeout_ms,
+    )
+    .await
+}
+
+/// [`write_generation`], and with `epoch_lease`, `ctl/epoch` set to the generation's number
+/// under that retention lease in the same transaction: a generation is never visible without
+/// the epoch that keeps its number from being used again after a total loss.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn write_generation_and_epoch(
+    client: &mut Client,
+    keys: &Keys,
+    node_id: &str,
+    leader_lease_id: i64,
+    prev_mod_revision: i64,
+    generation: &Generation,
+    epoch_lease: Option<i64>,
+    timeout_ms: u64,
+) -> Result<i64> {
     let key = keys.generation();
     // Check before writing: never put a record a reader would reject.
     generation.validate(&key)?;
+    let mut ops = vec![
+        TxnOp::put(
+            key.clone(),
+            record::encode(generation),
+            Some(PutOptions::new().with_lease(leader_lease_id)),
+        ),
+        // A new generation ends any "waiting below min" notice.
+        TxnOp::delete(keys.waiting(), None),
+    ];
+    if let Some(lease) = epoch_lease {
+        let epoch = EpochRecord {
+            version: record::RECORD_VERSION,
+            number: generation.number,
+        };
+        ops.push(TxnOp::put(
+            keys.epoch(),
+            record::encode(&epoch),
+            Some(PutOptions::new().with_lease(lease)),
+        ));
+    }
     let txn = Txn::new()
         .when([
             Compare::lease(keys.leader(), CompareOp::Equal, leader_lease_id),
             Compare::mod_revision(key.clone(), CompareOp::Equal, prev_mod_revision),
         ])
-        .and_then([
-            TxnOp::put(
-                key.clone(),
-                record::encode(generation),
-                Some(PutOptions::new().with_lease(leader_lease_id)),
-            ),
-            // A new generation ends any "waiting below min" notice.
-            TxnOp::delete(keys.waiting(), None),
-        ]);
+        .and_then(ops);
     let resp = bounded("write generation", &key, timeout_ms, client.txn(txn)).await?;
     if !resp.succeeded() {
         return Err(Error::NotLeader {
@@ -92,6 +132,36 @@ pub async fn write_generation(
         });
     }
     Ok(resp.header().map(|h| h.revision()).unwrap_or(0))
+}
+
+/// Moves `ctl/epoch` (holding `number`) to `epoch_lease`, fenced on leadership. Returns whether
+/// this node still leads.
+pub(crate) async fn write_epoch(
+    client: &mut Client,
+    keys: &Keys,
+    leader_lease_id: i64,
+    number: u64,
+    epoch_lease: i64,
+    timeout_ms: u64,
+) -> Result<bool> {
+    let key = keys.epoch();
+    let epoch = EpochRecord {
+        version: record::RECORD_VERSION,
+        number,
+    };
+    let txn = Txn::new()
+        .when([Compare::lease(
+            keys.leader(),
+            CompareOp::Equal,
+            leader_lease_id,
+        )])
+        .and_then([TxnOp::put(
+            key.clone(),
+            record::encode(&epoch),
+            Some(PutOptions::new().with_lease(epoch_lease)),
+        )]);
+    let resp = bounded("write epoch", &key, timeout_ms, client.txn(txn)).await?;
+    Ok(resp.succeeded())
 }
 
 /// Puts the commit record under the current leader's lease, fenced on that leader and on the
