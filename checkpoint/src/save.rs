@@ -647,14 +647,19 @@ impl Store {
         }
 
         // Every object must be present with its recorded length before the manifest names it.
-        let all: Vec<&ObjectEntry> = chosen.values().flat_map(|r| r.objects.iter()).collect();
+        // Owned (key, length) pairs: a stream of borrowing closures would make this future
+        // fail `Send` checks of callers that spawn it.
+        let all: Vec<(String, u64)> = chosen
+            .values()
+            .flat_map(|r| r.objects.iter())
+            .map(|o| (o.key.clone(), o.stored_bytes))
+            .collect();
         futures::stream::iter(all)
-            .map(|o| async move {
-                let size = self.head(&o.key, cancel).await?;
-                if size != o.stored_bytes {
+            .map(|(key, len)| async move {
+                let size = self.head(&key, cancel).await?;
+                if size != len {
                     return Err(incomplete(format!(
-                        "object {} has {size} bytes, its part says {}",
-                        o.key, o.stored_bytes
+                        "object {key} has {size} bytes, its part says {len}"
                     )));
                 }
                 Ok(())

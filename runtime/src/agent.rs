@@ -1,40 +1,71 @@
-//! The node agent: turns the command line into a worker spec and a generation, runs the
-//! supervisor, the worker socket and the checkpoint hand-off, and drains on SIGTERM, SIGINT or
-//! a preemption notice.
+//! The node agent: turns the command line into a worker spec, follows the job's membership,
+//! runs one worker group per generation through the supervisor, streams the workers'
+//! snapshots to the checkpoint store, and drains on SIGTERM, SIGINT or a preemption notice.
+//!
+//! # Membership
+//!
+//! - **Standalone** (`--standalone`, or one node without `--rdzv-endpoint`): one node, world =
+//!   nproc, a local master; generation 0 forever.
+//! - **Static** (`--rdzv-backend static --nnodes N --node-rank R --master-addr A`): a fixed
+//!   set of nodes, torchrun's static rendezvous. Failures restart the local group only.
+//! - **etcd v3** (`--rdzv-backend etcd-v3 --rdzv-endpoint H:P --nnodes MIN:MAX`): the
+//!   `elastic` crate registers this node and delivers generations; on every new one the agent
+//!   stops its workers and starts them with the new ranks, scaling and resume step. It stops
+//!   them at once when a newer generation appears that it is not in, when the job is below
+//!   `min`, or when its own lease is about to lapse (fenced) — it does not wait for a blocked
+//!   collective to time out. After a fence it joins again.
+//!
+//! # Checkpoints
+//!
+//! Workers stage snapshots (`saved`); once every local rank staged a step, the committer
+//! uploads this node's parts through [`StoreSink`] and commits the step when every rank of the
+//! generation is durable, across nodes (each agent races to commit; one manifest wins). In etcd
+//! mode the newest committed step is reported to etcd, and each generation names the step all
+//! nodes resume from; the agent restores it (resharded for the new world, reusing local bytes)
+//! before it starts the workers.
+//!
+//! # Failures
+//!
+//! A failed or hung worker group counts against `--max-restarts` unless the failure came with
+//! a membership change (a peer died: its collective partners fail too). In etcd mode the node
+//! waits one lease TTL plus the settle window for such a change before it counts the failure and
+//! asks the leader for a restart generation; all nodes then restart together. Past
+//! `--max-restarts` the job fails, for every node.
 //!
 //! # Signals and drains
 //!
 //! The first SIGTERM or SIGINT (or a preemption notice) starts a drain of `--preemption-grace`:
-//! `should_stop` turns true on the worker socket, workers that speak the protocol agree on a
-//! step, save it and exit 0, and the agent commits what they staged before it leaves. Workers
-//! that never spoke the protocol (unmodified torchrun scripts) get SIGTERM at once instead.
-//! At the end of the grace (less a kill window of up to 5 s) the group gets SIGTERM, then
-//! SIGKILL. A second signal is forwarded to every worker's process group as is.
+//! in etcd mode the node first announces it (peers ask their workers to stop too), then
+//! `should_stop` turns true on the worker socket, workers agree on a step, save it and exit 0,
+//! the agent commits what they staged, reports the commit and leaves (revoking its lease, so
+//! the survivors re-form at once from that step: no step is lost). Workers that never spoke the
+//! protocol (unmodified torchrun scripts) get SIGTERM at once instead. At the end of the grace
+//! (less a kill window of up to 5 s) the group gets SIGTERM, then SIGKILL. A second signal is
+//! forwarded to every worker's process group as is.
 //!
 //! Exit codes: 0 when the workers finished (or drained) cleanly and every commit landed; the
 //! failed worker's exit code (128 + signal when killed) when restarts ran out; 143 for a drain
 //! that had to kill workers or lost a commit; 2 for usage errors; 1 otherwise.
-//!
-//! # Membership
-//!
-//! Only standalone runs (one node, no rendezvous service) have a membership source today:
-//! generation 0 with world = nproc and a local master. Elastic runs replace
-//! [`standalone_generation`] with the generations the `elastic` crate publishes, feeding each
-//! new one to the supervisor as [`Command::NewGeneration`].
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use checkpoint::CancellationToken;
+use elastic::{Generation, Handle, Rendezvous, RendezvousConfig, Snapshot};
+use serde_json::json;
 use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
-use crate::agent_socket::{self, AgentState, Received};
-use crate::checkpoint_sink::{CheckpointSink, KEEP_STEPS_DEFAULT, LocalDirSink, StepTracker};
-use crate::cli::{CheckpointUrl, Cli, NProc, RdzvBackend};
+use crate::agent_socket::{self, AgentState, Received, StagedPart};
+use crate::checkpoint_sink::StepTracker;
+use crate::cli::{Cli, IndivisibleBatch, NProc, RdzvBackend};
+use crate::events::Events;
 use crate::notice;
 use crate::scaling::{self, ScalingConfig};
+use crate::store_sink::{SinkOptions, StepToCommit, StoreSink};
 use crate::supervisor::{self, Command, Outcome, SupervisorConfig};
 use crate::worker_env::{GenerationView, WorkerSpec};
 
@@ -44,68 +75,433 @@ pub const STOP_GRACE_MS: u64 = 5_000;
 const DRAIN_KILL_WINDOW_MAX_MS: u64 = 5_000;
 /// Saved parts queued between the socket and the agent loop.
 const PARTS_QUEUE_MAX: usize = 64;
-/// Complete steps queued for the sink; a full queue makes workers wait on `saved`.
+/// Complete steps queued for the committer; a full queue makes workers wait on `saved`.
 const COMMIT_QUEUE_MAX: usize = 4;
 /// How long the agent waits for queued worker output to be written before it exits.
 const OUTPUT_FLUSH_MS: u64 = 5_000;
 /// How long pending commits may take after the workers are done, outside a drain.
 const FLUSH_TIMEOUT_MS: u64 = 60_000;
+/// How long pending commits may take between two generations before they are cancelled (a
+/// step a lost peer never uploaded cannot complete).
+const BETWEEN_GENERATIONS_FLUSH_MS: u64 = 3_000;
+/// Added to lease TTL + settle while a node whose workers failed waits for a membership change.
+const FAILURE_SETTLE_EXTRA_MS: u64 = 1_000;
+/// Pause between attempts to join again after a fence, and how long it keeps trying.
+const REJOIN_PAUSE_MS: u64 = 1_000;
+const REJOIN_DEADLINE_MS: u64 = 30 * 60_000;
+/// How often the agent looks for the first step of a new worker group.
+const FIRST_STEP_POLL_MS: u64 = 50;
+/// Directory under staging where restored steps are laid out.
+const RESTORE_DIR: &str = ".restore";
 
 /// A configuration the user must change: reported like a bad flag (exit 2).
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct UsageError(pub String);
 
+fn usage(msg: impl Into<String>) -> anyhow::Error {
+    UsageError(msg.into()).into()
+}
+
+/// How this node learns its generations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Standalone,
+    Static,
+    Etcd,
+}
+
+impl Mode {
+    pub fn of(cli: &Cli) -> Result<Mode> {
+        if is_standalone(cli) {
+            return Ok(Mode::Standalone);
+        }
+        match cli.rdzv_backend {
+            RdzvBackend::Static => {
+                if cli.nnodes.min != cli.nnodes.max {
+                    return Err(usage(format!(
+                        "--nnodes {}:{} needs an elastic backend: add --rdzv-backend etcd-v3 \
+                         --rdzv-endpoint HOST:PORT (static rendezvous takes a fixed --nnodes N)",
+                        cli.nnodes.min, cli.nnodes.max
+                    )));
+                }
+                if cli.node_rank >= cli.nnodes.max {
+                    return Err(usage(format!(
+                        "--node-rank {} is not below --nnodes {}",
+                        cli.node_rank, cli.nnodes.max
+                    )));
+                }
+                Ok(Mode::Static)
+            }
+            RdzvBackend::EtcdV3 => {
+                if cli.rdzv_endpoint.trim().is_empty() {
+                    return Err(usage(
+                        "--rdzv-backend etcd-v3 needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]",
+                    ));
+                }
+                Ok(Mode::Etcd)
+            }
+        }
+    }
+}
+
 /// Runs the agent to completion and returns the process exit code.
 pub async fn run(cli: Cli) -> Result<u8> {
-    if !is_standalone(&cli) {
-        let what = match cli.rdzv_backend {
-            RdzvBackend::EtcdV3 => "etcd-v3 rendezvous",
-            RdzvBackend::Static => "multi-node static rendezvous",
-        };
-        return Err(UsageError(format!(
-            "{what} (--nnodes {}:{}) is not supported by this build yet; run one node with \
-             --standalone (or --nnodes 1 without --rdzv-endpoint)",
-            cli.nnodes.min, cli.nnodes.max
-        ))
-        .into());
-    }
+    let mode = Mode::of(&cli)?;
     let nproc = resolve_nproc(cli.nproc_per_node)?;
     let node_id = cli.node_id.clone().unwrap_or_else(default_node_id);
     let run_id = cli.rdzv_id.clone();
     let job = tracing::info_span!("job", run_id = %run_id, node = %node_id);
-    run_node(cli, nproc, node_id, run_id).instrument(job).await
+    run_node(cli, mode, nproc, node_id, run_id)
+        .instrument(job)
+        .await
 }
 
-async fn run_node(cli: Cli, nproc: u32, node_id: String, run_id: String) -> Result<u8> {
-    // Everything a user can get wrong is checked before anything is created.
-    let scaling_cfg = ScalingConfig {
+/// The job's scaling configuration from the command line.
+pub fn scaling_config(cli: &Cli, nproc: u32) -> ScalingConfig {
+    ScalingConfig {
         policy: cli.lr_scaling,
-        base_world_size: cli.base_world_size.unwrap_or(nproc),
+        base_world_size: cli
+            .base_world_size
+            .unwrap_or(nproc.saturating_mul(cli.nnodes.max)),
         batch_size: cli.batch_size,
         global_batch: cli.global_batch,
         base_lr: cli.base_lr,
         warmup_steps: cli.warmup_steps,
-    };
-    let master_port = match cli.master_port {
-        Some(p) => p,
-        None => free_port().context("no free port for the master")?,
-    };
-    let mut view = standalone_generation(&scaling_cfg, nproc, master_port, None)?;
+        on_indivisible: match cli.indivisible_batch {
+            IndivisibleBatch::Nearest => elastic::OnIndivisible::Nearest,
+            IndivisibleBatch::Refuse => elastic::OnIndivisible::Refuse,
+        },
+    }
+}
+
+/// Reads `--rdzv-conf` into the rendezvous configuration. Keys: `lease_ttl_ms`, `settle_ms`,
+/// `join_policy` (`immediate`, `after_commit`, `waiting:K`), `below_min_timeout_ms`,
+/// `fence_margin_ms`, `request_timeout_ms`; torchrun's `join_timeout` and `timeout` (seconds:
+/// how long the job may stay below `min`) and `last_call_timeout` (seconds: the settle
+/// window) are honoured too, and its `read_timeout`, `keep_alive_interval`,
+/// `keep_alive_max_attempt`, `is_host` are accepted and ignored.
+pub fn rendezvous_config(
+    cli: &Cli,
+    node_id: &str,
+    nproc: u32,
+    scaling: &ScalingConfig,
+) -> Result<RendezvousConfig> {
+    let policy = scaling.to_policy().map_err(|e| usage(e.to_string()))?;
+    let endpoints: Vec<String> = cli
+        .rdzv_endpoint
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(String::from)
+        .collect();
+    let addr = cli.local_addr.clone().unwrap_or_else(default_local_addr);
+    let mut cfg = RendezvousConfig::new(
+        endpoints,
+        cli.rdzv_id.clone(),
+        node_id.to_string(),
+        addr,
+        cli.nnodes.min,
+        cli.nnodes.max,
+        policy,
+    );
+    cfg.nproc = nproc;
+    cfg.master_port = cli.master_port;
+    for (k, v) in &cli.rdzv_conf.0 {
+        let ms = |v: &str| -> Result<u64> {
+            v.parse::<u64>()
+                .map_err(|_| usage(format!("--rdzv-conf {k}={v}: not a number of milliseconds")))
+        };
+        let secs = |v: &str| -> Result<u64> {
+            v.parse::<f64>()
+                .ok()
+                .filter(|s| s.is_finite() && *s >= 0.0 && *s < 1e9)
+                .map(|s| (s * 1000.0) as u64)
+                .ok_or_else(|| usage(format!("--rdzv-conf {k}={v}: not a number of seconds")))
+        };
+        match k.as_str() {
+            "lease_ttl_ms" => cfg.lease_ttl_ms = ms(v)?,
+            "settle_ms" => cfg.settle_ms = ms(v)?,
+            "last_call_timeout" => cfg.settle_ms = secs(v)?,
+            "below_min_timeout_ms" => cfg.below_min_timeout_ms = ms(v)?,
+            "join_timeout" | "timeout" => cfg.below_min_timeout_ms = secs(v)?,
+            "fence_margin_ms" => cfg.fence_margin_ms = Some(ms(v)?),
+            "request_timeout_ms" => cfg.connect.request_timeout_ms = ms(v)?.max(1),
+            "join_policy" => {
+                cfg.join_policy = match v.as_str() {
+                    "immediate" => elastic::JoinPolicy::Immediate,
+                    "after_commit" | "after-commit" => elastic::JoinPolicy::AfterCommit,
+                    w => match w.strip_prefix("waiting:").map(str::parse::<u32>) {
+                        Some(Ok(k)) if k >= 1 => elastic::JoinPolicy::Waiting(k),
+                        _ => {
+                            return Err(usage(format!(
+                                "--rdzv-conf join_policy={v}: use immediate, after_commit or \
+                                 waiting:K (K >= 1)"
+                            )));
+                        }
+                    },
+                }
+            }
+            "read_timeout" | "keep_alive_interval" | "keep_alive_max_attempt" | "is_host" => {}
+            other => {
+                return Err(usage(format!(
+                    "--rdzv-conf: unknown key `{other}` (known: lease_ttl_ms, settle_ms, \
+                     join_policy, below_min_timeout_ms, fence_margin_ms, request_timeout_ms, \
+                     join_timeout, last_call_timeout)"
+                )));
+            }
+        }
+    }
+    cfg.validate()
+        .map_err(|e| usage(format!("--rdzv-conf / --nnodes: {e}")))?;
+    Ok(cfg)
+}
+
+/// Everything a worker group needs that stays the same for the agent's life.
+struct Node {
+    mode: Mode,
+    nproc: u32,
+    node_id: String,
+    scaling: ScalingConfig,
+    spec: WorkerSpec,
+    sup_cfg: SupervisorConfig,
+    state: Arc<AgentState>,
+    sink: Arc<StoreSink>,
+    events: Arc<Events>,
+    grace: Duration,
+    max_restarts: u32,
+}
+
+/// The job's membership as this node follows it.
+enum Membership {
+    /// Standalone or static: one view forever.
+    Fixed(GenerationView),
+    Etcd(Box<EtcdMember>),
+}
+
+struct EtcdMember {
+    cfg: RendezvousConfig,
+    /// `None` after a fence, until the node joined again.
+    handle: Option<Handle>,
+    snap: watch::Receiver<Snapshot>,
+    /// The newest committed step read from the store at start: the resume step of a first
+    /// generation that names none.
+    bucket_latest: Option<u64>,
+    /// The highest step reported to etcd.
+    reported: Option<u64>,
+}
+
+impl EtcdMember {
+    async fn join(cfg: RendezvousConfig, events: &Events) -> Result<Self> {
+        let handle = Rendezvous::join(cfg.clone()).await.with_context(|| {
+            format!(
+                "join job {} at {}",
+                cfg.job_id,
+                cfg.connect.endpoints.join(",")
+            )
+        })?;
+        tracing::info!(addr = %cfg.addr, lease = handle.lease_id(), "joined the job");
+        events.emit("joined", json!({"addr": cfg.addr}));
+        let snap = handle.subscribe();
+        Ok(EtcdMember {
+            cfg,
+            handle: Some(handle),
+            snap,
+            bucket_latest: None,
+            reported: None,
+        })
+    }
+
+    /// Joins again after a fence, until it works or the deadline passes.
+    async fn rejoin(&mut self, events: &Events) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_millis(REJOIN_DEADLINE_MS);
+        loop {
+            match Rendezvous::join(self.cfg.clone()).await {
+                Ok(h) => {
+                    tracing::info!(lease = h.lease_id(), "joined the job again");
+                    events.emit("joined", json!({"addr": self.cfg.addr, "rejoin": true}));
+                    self.snap = h.subscribe();
+                    self.handle = Some(h);
+                    self.reported = None;
+                    return Ok(());
+                }
+                Err(e) if Instant::now() < deadline => {
+                    tracing::warn!(error = %e, "cannot join the job again yet; retrying");
+                    tokio::time::sleep(Duration::from_millis(REJOIN_PAUSE_MS)).await;
+                }
+                Err(e) => return Err(e).context("join the job again after a fence"),
+            }
+        }
+    }
+
+    /// Reports `step` as committed, once, best-effort (the commit itself is durable already).
+    async fn report(&mut self, step: u64) {
+        if self.reported.is_some_and(|r| r >= step) {
+            return;
+        }
+        if let Some(h) = &self.handle {
+            match h.report_commit(step).await {
+                Ok(()) => self.reported = Some(step),
+                Err(e) => tracing::warn!(step, error = %e, "cannot record the commit in etcd"),
+            }
+        }
+    }
+
+    fn settle_for_failure(&self) -> Duration {
+        Duration::from_millis(self.cfg.lease_ttl_ms + self.cfg.settle_ms + FAILURE_SETTLE_EXTRA_MS)
+    }
+}
+
+/// What ended a wait for the next generation.
+enum Next {
+    Run(Box<GenerationView>, Option<Arc<Generation>>),
+    Exit(u8),
+}
+
+/// Why a running group was asked to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StopWhy {
+    NewGeneration,
+    Fenced,
+    Waiting,
+    JobFailed,
+}
+
+/// A drain in progress.
+#[derive(Debug, Clone, Copy)]
+struct Drain {
+    started: Instant,
+    /// This node leaves (signal, notice), rather than a peer.
+    local: bool,
+}
+
+/// The committer's side of the agent: a queue and the newest committed step.
+struct Committer {
+    tx: mpsc::Sender<(StepToCommit, CancellationToken)>,
+    /// Steps queued or in flight.
+    pending: watch::Receiver<usize>,
+    pending_tx: Arc<watch::Sender<usize>>,
+    /// Cancels the commits of the current era (between two generations).
+    era: CancellationToken,
+    committed: watch::Receiver<Option<u64>>,
+    task: tokio::task::JoinHandle<bool>,
+}
+
+impl Committer {
+    fn start(node: &Node, latest: Option<u64>) -> Self {
+        let (tx, rx) = mpsc::channel(COMMIT_QUEUE_MAX);
+        let (pending_tx, pending) = watch::channel(0usize);
+        let pending_tx = Arc::new(pending_tx);
+        let (committed_tx, committed) = watch::channel(latest);
+        let task = tokio::spawn(
+            commit_loop(
+                node.sink.clone(),
+                rx,
+                node.state.clone(),
+                node.spec.staging_dir.clone(),
+                node.events.clone(),
+                committed_tx,
+                pending_tx.clone(),
+            )
+            .in_current_span(),
+        );
+        Committer {
+            tx,
+            pending,
+            pending_tx,
+            era: CancellationToken::new(),
+            committed,
+            task,
+        }
+    }
+
+    /// Queues a step without waiting: the agent loop must never block on a slow store. The
+    /// loop only hands over while the queue has room; a step that finds it full (parts drained
+    /// after a group ended, while the store is backed up) is dropped with a warning: the
+    /// workers' next checkpoint supersedes it.
+    fn submit(&self, step: StepToCommit) {
+        let s = step.step;
+        self.pending_tx.send_modify(|n| *n += 1);
+        if let Err(e) = self.tx.try_send((step, self.era.clone())) {
+            self.pending_tx.send_modify(|n| *n = n.saturating_sub(1));
+            tracing::warn!(step = s, error = %e, "checkpoint queue full; this step is not committed");
+        }
+    }
+
+    /// Waits until nothing is pending, up to `limit`; then cancels what is left and starts a
+    /// new era. Returns whether everything finished.
+    async fn settle(&mut self, limit: Duration) -> bool {
+        let mut pending = self.pending.clone();
+        let done = tokio::time::timeout(limit, pending.wait_for(|n| *n == 0))
+            .await
+            .is_ok();
+        if !done {
+            tracing::warn!(
+                limit_ms = limit.as_millis() as u64,
+                "pending checkpoint commits did not finish in time; cancelling them"
+            );
+            self.era.cancel();
+            self.era = CancellationToken::new();
+            let _ = tokio::time::timeout(
+                Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS),
+                pending.wait_for(|n| *n == 0),
+            )
+            .await;
+        }
+        done
+    }
+
+    fn latest(&self) -> Option<u64> {
+        *self.committed.borrow()
+    }
+
+    /// Closes the queue and waits for the committer, up to `limit`.
+    async fn finish(self, limit: Duration) -> bool {
+        drop(self.tx);
+        let era = self.era.clone();
+        match tokio::time::timeout(limit, self.task).await {
+            Ok(Ok(ok)) => ok,
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "checkpoint task failed");
+                false
+            }
+            Err(_) => {
+                era.cancel();
+                tracing::error!(
+                    limit_ms = limit.as_millis() as u64,
+                    "checkpoint flush did not finish in time"
+                );
+                false
+            }
+        }
+    }
+}
+
+async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: String) -> Result<u8> {
+    // Everything a user can get wrong is checked before anything is created.
+    let scaling_cfg = scaling_config(&cli, nproc);
+    scaling_cfg.to_policy().map_err(|e| usage(e.to_string()))?;
     let argv = worker_argv(&cli)?;
+    let rdzv_cfg = match mode {
+        Mode::Etcd => Some(rendezvous_config(&cli, &node_id, nproc, &scaling_cfg)?),
+        _ => None,
+    };
+    let url = cli
+        .checkpoint_url
+        .resolved()
+        .context("resolve --checkpoint-url")?;
+    let events = Arc::new(
+        Events::open(cli.events_file.as_deref(), &node_id)
+            .with_context(|| format!("open --events-file {:?}", cli.events_file))?,
+    );
 
     let run_dir = RunDir::create()?;
     // Removes a default staging dir when the agent returns, on every path.
     let staging_guard = Staging::prepare(cli.staging_dir.as_deref(), &run_id, &node_id)?;
-    let CheckpointUrl::File(ck_root) = &cli.checkpoint_url;
-    let ck_root = std::path::absolute(ck_root).context("checkpoint directory")?;
-    let sink = LocalDirSink::new(ck_root.clone(), KEEP_STEPS_DEFAULT)?;
-    let resume = sink.latest().await?;
-    if let Some(r) = &resume {
-        tracing::info!(step = r.step, dir = %r.dir.display(), "resuming from committed step");
-    }
-    view.resume = resume.clone();
-    let staging = &staging_guard.path;
+    let staging = staging_guard.path.clone();
+    let sink = StoreSink::open(&url, staging.join(RESTORE_DIR), SinkOptions::default())
+        .map_err(|e| usage(format!("--checkpoint-url {url}: {e}")))?;
+    let sink = Arc::new(sink);
     let socket_path = run_dir.path.join("agent.sock");
     let spec = WorkerSpec {
         nproc,
@@ -120,20 +516,20 @@ async fn run_node(cli: Cli, nproc: u32, node_id: String, run_id: String) -> Resu
     };
     let sup_cfg = SupervisorConfig {
         argv,
-        max_restarts: cli.max_restarts,
+        // The agent restarts groups itself (it must restore, and in etcd mode re-form).
+        max_restarts: 0,
         monitor_interval: cli.monitor_interval,
         hang_timeout: cli.hang_timeout,
+        startup_timeout: cli.startup_timeout,
         stop_grace: Duration::from_millis(STOP_GRACE_MS),
         omp_num_threads_set: std::env::var_os("OMP_NUM_THREADS").is_some(),
+        first_restart: 0,
     };
 
     // Signals first: a SIGTERM from here on drains instead of killing the agent.
     let mut signals = crate::signals::listen()?;
 
     let state = Arc::new(AgentState::new(staging.clone()));
-    if let Some(r) = resume {
-        state.set_resume(r);
-    }
     let listener = tokio::net::UnixListener::bind(&socket_path)
         .with_context(|| format!("bind the agent socket {}", socket_path.display()))?;
     let (parts_tx, mut parts_rx) = mpsc::channel::<Received>(PARTS_QUEUE_MAX);
@@ -144,7 +540,6 @@ async fn run_node(cli: Cli, nproc: u32, node_id: String, run_id: String) -> Resu
         parts_tx,
         shutdown_rx,
     ));
-
     let metrics_server = match cli.metrics_addr {
         Some(addr) => {
             let l = tokio::net::TcpListener::bind(addr)
@@ -159,12 +554,6 @@ async fn run_node(cli: Cli, nproc: u32, node_id: String, run_id: String) -> Resu
         }
         None => None,
     };
-
-    let (commit_tx, commit_rx) = mpsc::channel(COMMIT_QUEUE_MAX);
-    let committer = tokio::spawn(
-        commit_loop(sink, commit_rx, state.clone(), staging.clone()).in_current_span(),
-    );
-
     let (notice_tx, mut notices) = mpsc::channel::<String>(1);
     let _poller = cli.preemption_notice.clone().map(|n| {
         tokio::spawn(notice::poll(
@@ -174,75 +563,432 @@ async fn run_node(cli: Cli, nproc: u32, node_id: String, run_id: String) -> Resu
         ))
     });
 
-    let (cmd_tx, cmd_rx) = mpsc::channel(16);
-    let mut sup =
-        tokio::spawn(supervisor::run(sup_cfg, spec, view, state.clone(), cmd_rx).in_current_span());
+    let node = Node {
+        mode,
+        nproc,
+        node_id: node_id.clone(),
+        scaling: scaling_cfg,
+        spec,
+        sup_cfg,
+        state: state.clone(),
+        sink: sink.clone(),
+        events: events.clone(),
+        grace: cli.preemption_grace,
+        max_restarts: cli.max_restarts,
+    };
 
+    let cancel_all = CancellationToken::new();
+    let bucket_latest = sink
+        .latest_step(&cancel_all)
+        .await
+        .with_context(|| format!("read the newest committed step at {}", sink.url()))?;
+    if let Some(step) = bucket_latest {
+        tracing::info!(step, url = %sink.url(), "newest committed step in the checkpoint store");
+    }
+    let mut membership = match mode {
+        Mode::Standalone | Mode::Static => {
+            let master_port = match (mode, cli.master_port) {
+                (_, Some(p)) => p,
+                (Mode::Static, None) => crate::cli::MASTER_PORT_DEFAULT,
+                _ => free_port().context("no free port for the master")?,
+            };
+            let (node_rank, node_count, master_addr) = match mode {
+                Mode::Static => (cli.node_rank, cli.nnodes.max, cli.master_addr.clone()),
+                _ => (0, 1, "127.0.0.1".to_string()),
+            };
+            let world = nproc.saturating_mul(node_count);
+            let s =
+                scaling::decide(&node.scaling, world, None).map_err(|e| usage(e.to_string()))?;
+            Membership::Fixed(GenerationView {
+                generation: 0,
+                world_size: world,
+                node_rank,
+                node_count,
+                rank_offset: node_rank * nproc,
+                master_addr,
+                master_port,
+                scaling: s,
+                resume: None,
+            })
+        }
+        Mode::Etcd => {
+            let cfg = rdzv_cfg.expect("etcd mode has a rendezvous config");
+            let mut m = EtcdMember::join(cfg, &events).await?;
+            state
+                .metrics
+                .has_lease
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            fenced_metrics(&state, false);
+            m.bucket_latest = bucket_latest;
+            if let Some(step) = bucket_latest {
+                m.report(step).await;
+            }
+            Membership::Etcd(Box::new(m))
+        }
+    };
+
+    let mut committer = Committer::start(&node, bucket_latest);
+    let mut tracker = StepTracker::new(0..0);
+    let mut drain: Option<Drain> = None;
+    let mut restarts: u32 = 0;
+    let mut last_step_reached: Option<u64> = None;
     // Time-based checkpoints: ask for the step after the newest one reported.
     let mut checkpoint_timer = cli.checkpoint_every.map(|every| {
         let mut t = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         t
     });
-    let mut tracker = StepTracker::new(0..0);
-    let mut drain_started: Option<Instant> = None;
-    let grace = cli.preemption_grace;
-    let outcome = loop {
-        tokio::select! {
-            out = &mut sup => break out.context("supervisor task")?,
-            Some(sig) = signals.recv() => {
-                if drain_started.is_none() {
-                    tracing::warn!(signal = sig, "signal received; draining");
-                    drain_started = Some(start_drain(&state, &cmd_tx, grace).await);
-                } else {
-                    tracing::warn!(signal = sig, "second signal; forwarding it to the workers");
-                    let _ = cmd_tx.send(Command::Signal(sig)).await;
+
+    let code: u8 = 'job: loop {
+        // ---- A: the generation to run next -------------------------------------------------
+        let (mut view, running_gen) = match &mut membership {
+            Membership::Fixed(v) => {
+                let mut v = v.clone();
+                v.resume = None;
+                (v, None)
+            }
+            Membership::Etcd(m) => {
+                match wait_generation(&node, m, &mut signals, &mut notices, &committer).await? {
+                    Next::Run(v, g) => (*v, g),
+                    Next::Exit(code) => break 'job code,
                 }
             }
-            Some(why) = notices.recv() => {
-                if drain_started.is_none() {
-                    tracing::warn!(notice = %why, "preemption notice; draining");
-                    drain_started = Some(start_drain(&state, &cmd_tx, grace).await);
+        };
+        // ---- B: restore the step this generation resumes from -------------------------------
+        let resume_step = match &membership {
+            Membership::Fixed(_) => committer.latest(),
+            Membership::Etcd(m) => running_gen
+                .as_ref()
+                .and_then(|g| g.resume_step)
+                .or(m.bucket_latest),
+        };
+        remove_staged(&node.spec.staging_dir);
+        if let Some(step) = resume_step {
+            let ranks = view.rank_offset..view.rank_offset + nproc;
+            let t0 = Instant::now();
+            let point = tokio::select! {
+                r = node.sink.restore(step, ranks, view.world_size, &cancel_all) => {
+                    r.with_context(|| format!("restore step {step} from {}", node.sink.url()))?
                 }
-            }
-            // Only while the commit queue has room, so handing over never blocks this loop
-            // (signals must stay responsive); otherwise parts wait in their channel and, once
-            // that is full, workers wait for their `saved` reply.
-            Some(r) = parts_rx.recv(), if commit_tx.capacity() > 0 => hand_over(&mut tracker, r, &commit_tx).await,
-            _ = async { checkpoint_timer.as_mut().expect("guarded").tick().await }, if checkpoint_timer.is_some() => {
-                if let Some(step) = state.last_step() {
-                    tracing::info!(at_step = step + 1, "time-based checkpoint requested");
-                    state.request_checkpoint_at(step + 1);
+                Some(sig) = signals.recv() => {
+                    tracing::warn!(signal = sig, "signal while restoring; leaving");
+                    break 'job leave(&mut membership).await;
                 }
-            }
+            };
+            tracing::info!(step, dir = %point.dir.display(), ms = t0.elapsed().as_millis() as u64, "restored");
+            view.resume = Some(point);
         }
-    };
-    let flush_limit = match drain_started {
-        Some(t0) => grace.saturating_sub(t0.elapsed()),
-        None => Duration::from_millis(FLUSH_TIMEOUT_MS),
-    };
-    let flush = async {
+        let gen_key = view.generation;
+        state
+            .metrics
+            .generations_total
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        emit_generation(&node, &view, running_gen.as_deref(), last_step_reached);
+
+        // ---- C: run one worker group ---------------------------------------------------------
+        let (cmd_tx, cmd_rx) = mpsc::channel(16);
+        let mut sup_cfg = node.sup_cfg.clone();
+        sup_cfg.first_restart = restarts;
+        let mut sup = tokio::spawn(
+            supervisor::run(
+                sup_cfg,
+                node.spec.clone(),
+                view.clone(),
+                state.clone(),
+                cmd_rx,
+            )
+            .in_current_span(),
+        );
+        node.events.emit(
+            "workers_started",
+            json!({"generation": view.generation, "restart_count": restarts}),
+        );
+        let mut first_step_seen = false;
+        let mut first_step_poll = tokio::time::interval(Duration::from_millis(FIRST_STEP_POLL_MS));
+        let mut stop_why: Option<StopWhy> = None;
+        let mut committed_rx = committer.committed.clone();
+        let mut snap_rx = match &membership {
+            Membership::Etcd(m) => Some(m.snap.clone()),
+            Membership::Fixed(_) => None,
+        };
+        if let Some(rx) = snap_rx.as_mut() {
+            rx.mark_changed();
+        }
+        let outcome = loop {
+            tokio::select! {
+                out = &mut sup => break out.context("supervisor task")?,
+                Some(sig) = signals.recv() => {
+                    if drain.is_none_or(|d| !d.local) {
+                        tracing::warn!(signal = sig, "signal received; draining");
+                        node.events.emit("drain_started", json!({"reason": "signal"}));
+                        drain = Some(start_drain(&node, &membership, &cmd_tx, true).await);
+                    } else {
+                        tracing::warn!(signal = sig, "second signal; forwarding it to the workers");
+                        let _ = cmd_tx.send(Command::Signal(sig)).await;
+                    }
+                }
+                Some(why) = notices.recv() => {
+                    if drain.is_none_or(|d| !d.local) {
+                        tracing::warn!(notice = %why, "preemption notice; draining");
+                        node.events.emit("drain_started", json!({"reason": "notice"}));
+                        drain = Some(start_drain(&node, &membership, &cmd_tx, true).await);
+                    }
+                }
+                // Only while the commit queue has room, so handing over never blocks this loop
+                // (signals must stay responsive); otherwise parts wait in their channel and,
+                // once that is full, workers wait for their `saved` reply.
+                Some(r) = parts_rx.recv(), if committer.tx.capacity() > 0 => {
+                    hand_over(&node, &view, &mut tracker, r, &committer).await;
+                }
+                _ = async { checkpoint_timer.as_mut().expect("guarded").tick().await }, if checkpoint_timer.is_some() => {
+                    if let Some(step) = state.last_step() {
+                        tracing::info!(at_step = step + 1, "time-based checkpoint requested");
+                        state.request_checkpoint_at(step + 1);
+                    }
+                }
+                _ = first_step_poll.tick(), if !first_step_seen => {
+                    if let Some(step) = state.last_step() {
+                        first_step_seen = true;
+                        tracing::info!(step, "first step of the generation");
+                        node.events.emit("first_step", json!({"generation": view.generation, "step": step}));
+                    }
+                }
+                Ok(()) = committed_rx.changed(), if matches!(membership, Membership::Etcd(_)) => {
+                    let latest = committer.latest();
+                    if let (Membership::Etcd(m), Some(step)) = (&mut membership, latest) {
+                        m.report(step).await;
+                    }
+                }
+                Ok(()) = async { snap_rx.as_mut().expect("guarded").changed().await }, if snap_rx.is_some() && stop_why.is_none() => {
+                    let snap = snap_rx.as_mut().expect("guarded").borrow_and_update().clone();
+                    let Some(g) = running_gen.as_ref() else { continue };
+                    if drain.is_some() {
+                        // The workers are saving the agreed step and exit on their own (or at
+                        // the drain deadline): let them finish the save.
+                        continue;
+                    }
+                    if let Some(why) = must_stop(&snap, g) {
+                        tracing::warn!(?why, "stopping the workers");
+                        stop_why = Some(why);
+                        let _ = cmd_tx.send(Command::Stop).await;
+                    } else if drain.is_none() {
+                        let peer_draining = snap.draining.iter().any(|n| *n != node.node_id && g.member(n).is_some());
+                        if peer_draining {
+                            tracing::warn!(draining = ?snap.draining, "a peer is draining; saving and stopping with it");
+                            node.events.emit("drain_started", json!({"reason": "peer"}));
+                            drain = Some(start_drain(&node, &membership, &cmd_tx, false).await);
+                        }
+                    }
+                }
+                e = async {
+                    match &membership {
+                        Membership::Etcd(m) if m.handle.is_some() => {
+                            m.handle.as_ref().expect("checked").fenced().await
+                        }
+                        _ => std::future::pending().await,
+                    }
+                }, if stop_why.is_none() => {
+                    tracing::error!(error = %e, "fenced: stopping the workers before peers re-form the job");
+                    node.events.emit("fenced", json!({"reason": e.to_string()}));
+                    fenced_metrics(&node.state, true);
+                    stop_why = Some(StopWhy::Fenced);
+                    let _ = cmd_tx.send(Command::Stop).await;
+                }
+            }
+        };
+        drop(cmd_tx);
+        last_step_reached = state.last_step().or(last_step_reached);
         // Parts reported just before the workers exited are already queued: hand them over.
         while let Ok(r) = parts_rx.try_recv() {
-            hand_over(&mut tracker, r, &commit_tx).await;
+            hand_over(&node, &view, &mut tracker, r, &committer).await;
         }
-        drop(commit_tx);
-        committer.await
-    };
-    let flushed = match tokio::time::timeout(flush_limit, flush).await {
-        Ok(Ok(ok)) => ok,
-        Ok(Err(e)) => {
-            tracing::error!(error = %e, "checkpoint task failed");
-            false
-        }
-        Err(_) => {
-            tracing::error!(
-                limit_ms = flush_limit.as_millis() as u64,
-                "checkpoint flush did not finish in time"
+
+        // ---- D: what now -----------------------------------------------------------------------
+        // A local drain ends the node however the workers ended: commit what they staged, say
+        // so, leave.
+        if let Some(d) = drain.filter(|d| d.local) {
+            let clean = matches!(
+                outcome,
+                Outcome::Succeeded | Outcome::Drained { clean: true }
             );
-            false
+            if let Outcome::Failed(f) = &outcome {
+                tracing::warn!(
+                    rank = f.rank,
+                    exit_code = f.exit_code,
+                    "a worker failed while draining"
+                );
+            }
+            let flushed = flush(
+                &mut committer,
+                node.grace.saturating_sub(d.started.elapsed()),
+            )
+            .await;
+            if let Membership::Etcd(m) = &mut membership
+                && let Some(step) = committer.latest()
+            {
+                m.report(step).await;
+            }
+            let step = committer.latest();
+            let _ = leave(&mut membership).await;
+            if clean && flushed {
+                tracing::info!(step, "drained: workers saved and exited");
+                break 'job 0;
+            }
+            tracing::error!(
+                workers_clean = clean,
+                checkpoints_flushed = flushed,
+                "drain incomplete"
+            );
+            break 'job 128 + libc::SIGTERM as u8;
+        }
+        match outcome {
+            Outcome::Succeeded if drain.is_none() => {
+                tracing::info!("workers finished");
+                let flushed = flush(&mut committer, Duration::from_millis(FLUSH_TIMEOUT_MS)).await;
+                if let Membership::Etcd(m) = &mut membership {
+                    if let Some(step) = committer.latest() {
+                        m.report(step).await;
+                    }
+                    if let Some(h) = &m.handle
+                        && let Err(e) = h.finish(true).await
+                    {
+                        tracing::warn!(error = %e, "cannot mark the job finished");
+                    }
+                }
+                let _ = leave(&mut membership).await;
+                break 'job if flushed { 0 } else { 1 };
+            }
+            Outcome::Succeeded | Outcome::Drained { .. } if drain.is_some() => {
+                // A peer's drain: our workers saved the agreed step too; commit it and wait
+                // for the generation without the peer.
+                let clean = matches!(
+                    outcome,
+                    Outcome::Succeeded | Outcome::Drained { clean: true }
+                );
+                let _ = flush(&mut committer, node.grace).await;
+                if let Membership::Etcd(m) = &mut membership
+                    && let Some(step) = committer.latest()
+                {
+                    m.report(step).await;
+                }
+                tracing::info!(
+                    step = committer.latest(),
+                    clean,
+                    "peer drain done; waiting for the next generation"
+                );
+                drain = None;
+                continue 'job;
+            }
+            Outcome::Succeeded | Outcome::Drained { .. } => {
+                tracing::error!("workers drained without a drain");
+                let _ = leave(&mut membership).await;
+                break 'job 1;
+            }
+            Outcome::Stopped => {
+                drain = None;
+                committer
+                    .settle(Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS))
+                    .await;
+                if stop_why == Some(StopWhy::Fenced)
+                    && let Membership::Etcd(m) = &mut membership
+                {
+                    if let Some(h) = m.handle.take() {
+                        drop(h);
+                    }
+                    m.rejoin(&node.events).await?;
+                    fenced_metrics(&node.state, false);
+                }
+                continue 'job;
+            }
+            Outcome::Failed(f) => {
+                node.events.emit(
+                    "worker_failed",
+                    json!({"generation": view.generation, "rank": f.rank, "exit_code": f.exit_code}),
+                );
+                if drain.is_some() {
+                    tracing::warn!(
+                        rank = f.rank,
+                        exit_code = f.exit_code,
+                        "a worker failed during a peer's drain"
+                    );
+                    let _ = flush(&mut committer, node.grace).await;
+                    drain = None;
+                    continue 'job;
+                }
+                let counted = match &mut membership {
+                    Membership::Fixed(_) => true,
+                    Membership::Etcd(m) => {
+                        let g = running_gen.clone().expect("etcd generations");
+                        failure_counts(m, &g, &mut signals).await
+                    }
+                };
+                if !counted {
+                    tracing::warn!(
+                        rank = f.rank,
+                        exit_code = f.exit_code,
+                        "worker failed with a membership change; not counted as a restart"
+                    );
+                    committer
+                        .settle(Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS))
+                        .await;
+                    continue 'job;
+                }
+                if restarts >= node.max_restarts {
+                    tracing::error!(
+                        rank = f.rank,
+                        exit_code = f.exit_code,
+                        restarts,
+                        "job failed"
+                    );
+                    eprintln!("elastic-run: {f}");
+                    let _ = flush(
+                        &mut committer,
+                        Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS),
+                    )
+                    .await;
+                    if let Membership::Etcd(m) = &mut membership
+                        && let Some(h) = &m.handle
+                        && let Err(e) = h.finish(false).await
+                    {
+                        tracing::warn!(error = %e, "cannot mark the job failed");
+                    }
+                    let _ = leave(&mut membership).await;
+                    break 'job u8::try_from(f.exit_code)
+                        .ok()
+                        .filter(|c| *c != 0)
+                        .unwrap_or(1);
+                }
+                restarts += 1;
+                state
+                    .metrics
+                    .worker_restarts_total
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(
+                    rank = f.rank,
+                    exit_code = f.exit_code,
+                    restart = restarts,
+                    max_restarts = node.max_restarts,
+                    "worker failed; restarting: {}",
+                    f.message.lines().last().unwrap_or("")
+                );
+                committer
+                    .settle(Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS))
+                    .await;
+                if let Membership::Etcd(m) = &mut membership
+                    && let Some(h) = &m.handle
+                    && let Err(e) = h.request_restart(gen_key, &f.to_string()).await
+                {
+                    tracing::warn!(error = %e, "cannot request a restart generation");
+                }
+                continue 'job;
+            }
         }
     };
+
+    node.events.emit("exit", json!({"code": code}));
+    let _ = committer
+        .finish(Duration::from_millis(OUTPUT_FLUSH_MS))
+        .await;
     let _ = shutdown_tx.send(true);
     let _ = server.await;
     crate::output::flush(Duration::from_millis(OUTPUT_FLUSH_MS)).await;
@@ -250,117 +996,350 @@ async fn run_node(cli: Cli, nproc: u32, node_id: String, run_id: String) -> Resu
         let _ = m.await;
     }
     drop(run_dir);
-
-    Ok(match outcome {
-        Outcome::Succeeded => {
-            tracing::info!("workers finished");
-            if flushed { 0 } else { 1 }
-        }
-        Outcome::Drained { clean: true } if flushed => {
-            tracing::info!(
-                step = state.resume().map(|r| r.step),
-                "drained: workers saved and exited"
-            );
-            0
-        }
-        Outcome::Drained { clean } => {
-            tracing::error!(
-                workers_clean = clean,
-                checkpoints_flushed = flushed,
-                "drain incomplete"
-            );
-            128 + libc::SIGTERM as u8
-        }
-        Outcome::Failed(f) => {
-            tracing::error!(rank = f.rank, exit_code = f.exit_code, "job failed");
-            eprintln!("elastic-run: {f}");
-            u8::try_from(f.exit_code)
-                .ok()
-                .filter(|c| *c != 0)
-                .unwrap_or(1)
-        }
-        Outcome::Stopped => 1,
-    })
+    drop(staging_guard);
+    Ok(code)
 }
 
-/// Standalone when asked, or when one node runs with no rendezvous endpoint (torchrun's rule).
-pub fn is_standalone(cli: &Cli) -> bool {
-    cli.standalone || (cli.nnodes.max == 1 && cli.rdzv_endpoint.is_empty())
+/// Waits for the next generation that includes this node (etcd mode).
+async fn wait_generation(
+    node: &Node,
+    m: &mut EtcdMember,
+    signals: &mut mpsc::Receiver<i32>,
+    notices: &mut mpsc::Receiver<String>,
+    committer: &Committer,
+) -> Result<Next> {
+    loop {
+        if m.handle.is_none() {
+            m.rejoin(&node.events).await?;
+            fenced_metrics(&node.state, false);
+        }
+        let mut committed = committer.committed.clone();
+        let h = m.handle.as_mut().expect("joined");
+        let r = tokio::select! {
+            r = h.next_generation() => r,
+            Some(sig) = signals.recv() => {
+                tracing::warn!(signal = sig, "signal while no workers run; leaving");
+                node.events.emit("drain_started", json!({"reason": "signal"}));
+                return Ok(Next::Exit(leave_etcd(m).await));
+            }
+            Some(why) = notices.recv() => {
+                tracing::warn!(notice = %why, "preemption notice while no workers run; leaving");
+                node.events.emit("drain_started", json!({"reason": "notice"}));
+                return Ok(Next::Exit(leave_etcd(m).await));
+            }
+            Ok(()) = committed.changed() => {
+                if let Some(step) = *committed.borrow() {
+                    m.report(step).await;
+                }
+                continue;
+            }
+        };
+        match r {
+            Ok(g) => {
+                let view = generation_view(node, &g)?;
+                return Ok(Next::Run(Box::new(view), Some(Arc::new(g))));
+            }
+            Err(elastic::Error::JobFinished { success, .. }) => {
+                tracing::info!(success, "the job is over");
+                let _ = leave_etcd(m).await;
+                return Ok(Next::Exit(if success { 0 } else { 1 }));
+            }
+            Err(elastic::Error::JobFailed { reason, .. }) => {
+                tracing::error!(%reason, "the job failed");
+                eprintln!("elastic-run: job failed: {reason}");
+                let _ = leave_etcd(m).await;
+                return Ok(Next::Exit(1));
+            }
+            Err(e @ elastic::Error::Fenced { .. }) => {
+                tracing::error!(error = %e, "fenced while waiting; joining again");
+                node.events.emit("fenced", json!({"reason": e.to_string()}));
+                fenced_metrics(&node.state, true);
+                m.handle = None;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "waiting for a generation failed; retrying");
+                tokio::time::sleep(Duration::from_millis(REJOIN_PAUSE_MS)).await;
+            }
+        }
+    }
 }
 
-/// Generation 0 of a one-node job: world = nproc, master on this host.
-pub fn standalone_generation(
-    cfg: &ScalingConfig,
-    nproc: u32,
-    master_port: u16,
-    resume: Option<crate::worker_env::ResumePoint>,
-) -> Result<GenerationView> {
-    let scaling = scaling::decide(cfg, nproc).map_err(|e| UsageError(e.to_string()))?;
+/// This node's view of an etcd generation.
+fn generation_view(node: &Node, g: &Generation) -> Result<GenerationView> {
+    let Some((rank, me)) = g.member(&node.node_id) else {
+        bail!("generation {} does not include this node", g.number);
+    };
+    if me.nproc != node.nproc {
+        bail!(
+            "generation {} lists {} workers for this node, it runs {}",
+            g.number,
+            me.nproc,
+            node.nproc
+        );
+    }
     Ok(GenerationView {
-        generation: 0,
-        world_size: nproc,
-        node_rank: 0,
-        node_count: 1,
-        rank_offset: 0,
-        master_addr: "127.0.0.1".into(),
-        master_port,
-        scaling,
-        resume,
+        generation: g.number,
+        world_size: g.world_size,
+        node_rank: rank as u32,
+        node_count: g.members.len() as u32,
+        rank_offset: me.rank_offset,
+        master_addr: g.master_addr.clone(),
+        master_port: g.master_port,
+        scaling: scaling::from_decision(&g.scaling, &node.scaling),
+        resume: None,
     })
 }
 
-async fn start_drain(state: &AgentState, cmds: &mpsc::Sender<Command>, grace: Duration) -> Instant {
-    let now = Instant::now();
-    state.request_stop();
+/// `prev_last_step`: the highest step this node's workers reported before this generation
+/// (what a fault cost is that minus the resume step).
+fn emit_generation(
+    node: &Node,
+    view: &GenerationView,
+    g: Option<&Generation>,
+    prev_last_step: Option<u64>,
+) {
+    let s = &view.scaling;
+    tracing::info!(
+        generation = view.generation,
+        world_size = view.world_size,
+        node_rank = view.node_rank,
+        lr_scale = s.lr_scale,
+        grad_accum_steps = s.grad_accum_steps,
+        resume_step = view.resume.as_ref().map(|r| r.step),
+        "generation"
+    );
+    if !s.note.is_empty() {
+        tracing::warn!(note = %s.note, "scaling adjusted");
+    }
+    let members = g
+        .map(|g| g.node_ids())
+        .unwrap_or_else(|| vec![node.node_id.clone()]);
+    node.events.emit(
+        "generation",
+        json!({
+            "generation": view.generation,
+            "world_size": view.world_size,
+            "node_rank": view.node_rank,
+            "rank_offset": view.rank_offset,
+            "members": members,
+            "lr_scale": s.lr_scale,
+            "lr": s.lr,
+            "batch_size": s.batch_size,
+            "global_batch": s.global_batch,
+            "grad_accum_steps": s.grad_accum_steps,
+            "resume_step": view.resume.as_ref().map(|r| r.step),
+            "prev_last_step": prev_last_step,
+        }),
+    );
+}
+
+/// Whether the running generation `g` must stop now, given what etcd shows.
+fn must_stop(snap: &Snapshot, g: &Generation) -> Option<StopWhy> {
+    if let Some(newest) = &snap.generation
+        && (newest.number, newest.created_unix_ms) != (g.number, g.created_unix_ms)
+        && newest.created_unix_ms >= g.created_unix_ms
+    {
+        return Some(StopWhy::NewGeneration);
+    }
+    if snap
+        .waiting
+        .as_ref()
+        .is_some_and(|w| w.generation == g.number)
+    {
+        return Some(StopWhy::Waiting);
+    }
+    if snap
+        .job_state
+        .as_ref()
+        .is_some_and(|s| s.outcome == elastic::record::Outcome::Failed)
+    {
+        return Some(StopWhy::JobFailed);
+    }
+    None
+}
+
+/// After a worker failure in etcd mode: waits for a membership change. Returns whether the
+/// failure counts as a restart (no change, or a restart generation with the same members).
+async fn failure_counts(
+    m: &mut EtcdMember,
+    g: &Generation,
+    signals: &mut mpsc::Receiver<i32>,
+) -> bool {
+    let limit = m.settle_for_failure();
+    let mut rx = m.snap.clone();
+    let same = |snap: &Snapshot| -> Option<bool> {
+        let newest = snap.generation.as_ref()?;
+        if newest.number == g.number && newest.created_unix_ms == g.created_unix_ms {
+            return None;
+        }
+        let a: BTreeSet<String> = newest.node_ids().into_iter().collect();
+        let b: BTreeSet<String> = g.node_ids().into_iter().collect();
+        Some(a == b)
+    };
+    let wait = async {
+        loop {
+            if let Some(s) = same(&rx.borrow_and_update()) {
+                return s;
+            }
+            if rx.changed().await.is_err() {
+                return true;
+            }
+        }
+    };
+    tokio::select! {
+        s = tokio::time::timeout(limit, wait) => s.unwrap_or(true),
+        // A signal now: let the next wait handle it (it leaves); count nothing.
+        Some(_) = signals.recv() => false,
+    }
+}
+
+/// Records a lost lease (`fenced`) or a live one.
+fn fenced_metrics(state: &AgentState, fenced: bool) {
+    use std::sync::atomic::Ordering::Relaxed;
     state
+        .metrics
+        .lease_healthy
+        .store(u64::from(!fenced), Relaxed);
+    if fenced {
+        state.metrics.fences_total.fetch_add(1, Relaxed);
+    }
+}
+
+/// Starts a drain: `local` when this node leaves (announced to peers first), else a peer's.
+async fn start_drain(
+    node: &Node,
+    membership: &Membership,
+    cmds: &mpsc::Sender<Command>,
+    local: bool,
+) -> Drain {
+    let now = Instant::now();
+    if local
+        && let Membership::Etcd(m) = membership
+        && let Some(h) = &m.handle
+        && let Err(e) = h.request_drain().await
+    {
+        tracing::warn!(error = %e, "cannot announce the drain to peers");
+    }
+    node.state.request_stop();
+    node.state
         .metrics
         .drains_total
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let grace = node.grace;
     let kill_window = (grace / 4).min(Duration::from_millis(DRAIN_KILL_WINDOW_MAX_MS));
     // Workers that never spoke the protocol cannot hear `should_stop`: they get SIGTERM now,
     // as torchrun would forward it.
-    let sigterm_now = !state.client_seen();
+    let sigterm_now = !node.state.client_seen();
     let _ = cmds
         .send(Command::Drain {
             deadline: now + grace.saturating_sub(kill_window),
             sigterm_now,
         })
         .await;
-    now
+    Drain {
+        started: now,
+        local,
+    }
+}
+
+async fn flush(committer: &mut Committer, limit: Duration) -> bool {
+    committer.settle(limit).await
+}
+
+/// Leaves the job at once (revoking the lease) in etcd mode; returns exit code 0.
+async fn leave(membership: &mut Membership) -> u8 {
+    match membership {
+        Membership::Etcd(m) => leave_etcd(m).await,
+        Membership::Fixed(_) => 0,
+    }
+}
+
+async fn leave_etcd(m: &mut EtcdMember) -> u8 {
+    if let Some(h) = m.handle.take()
+        && let Err(e) = h.leave().await
+    {
+        tracing::warn!(error = %e, "leaving the job failed; peers see it after the lease TTL");
+    }
+    0
 }
 
 async fn hand_over(
+    node: &Node,
+    view: &GenerationView,
     tracker: &mut StepTracker,
     r: Received,
-    commits: &mpsc::Sender<(u64, u32, Vec<crate::agent_socket::StagedPart>)>,
+    committer: &Committer,
 ) {
     let world = r.world_size;
+    let generation = r.generation;
     if let Some(parts) = tracker.record_received(r.epoch, r.ranks, r.part) {
         let step = parts[0].step;
         tracing::info!(step, ranks = parts.len(), "step staged by every local rank");
-        let _ = commits.send((step, world, parts)).await;
+        let s = &view.scaling;
+        let agent_metadata = json!({
+            "generation": generation,
+            "world_size": world,
+            "node": node.node_id,
+            "mode": format!("{:?}", node.mode).to_lowercase(),
+            "scaling": {
+                "lr_scale": s.lr_scale,
+                "lr": s.lr,
+                "batch_size": s.batch_size,
+                "global_batch": s.global_batch,
+                "grad_accum_steps": s.grad_accum_steps,
+            },
+        });
+        committer.submit(StepToCommit {
+            step,
+            generation,
+            world_size: world,
+            parts,
+            agent_metadata,
+        });
     }
 }
 
 /// Commits complete steps in order; returns whether every commit succeeded.
-async fn commit_loop<S: CheckpointSink>(
-    sink: S,
-    mut steps: mpsc::Receiver<(u64, u32, Vec<crate::agent_socket::StagedPart>)>,
+async fn commit_loop(
+    sink: Arc<StoreSink>,
+    mut steps: mpsc::Receiver<(StepToCommit, CancellationToken)>,
     state: Arc<AgentState>,
     staging: PathBuf,
+    events: Arc<Events>,
+    committed: watch::Sender<Option<u64>>,
+    pending: Arc<watch::Sender<usize>>,
 ) -> bool {
     let mut ok = true;
-    while let Some((step, world, parts)) = steps.recv().await {
+    while let Some((s, cancel)) = steps.recv().await {
+        let (step, generation) = (s.step, s.generation);
+        let staged: Vec<StagedPart> = s.parts.clone();
         let t0 = Instant::now();
-        match sink.commit(step, world, parts).await {
-            Ok(done) => {
-                let point = done.resume;
-                tracing::info!(step, dir = %point.dir.display(), bytes = done.bytes, ms = t0.elapsed().as_millis() as u64, "checkpoint committed");
+        let result = if cancel.is_cancelled() {
+            None
+        } else {
+            Some(sink.commit(s, &cancel).await)
+        };
+        match result {
+            Some(Ok(done)) => {
+                tracing::info!(
+                    step,
+                    bytes = done.bytes,
+                    by_this_node = done.by_this_node,
+                    ms = t0.elapsed().as_millis() as u64,
+                    "checkpoint committed"
+                );
                 state.metrics.committed(step, done.bytes, t0.elapsed());
-                state.set_resume(point);
-                remove_staged_up_to(&staging, step);
+                events.emit(
+                    "checkpoint_committed",
+                    json!({"step": step, "generation": generation, "bytes": done.bytes, "by_this_node": done.by_this_node}),
+                );
+                committed.send_modify(|c| {
+                    if c.is_none_or(|c| c < step) {
+                        *c = Some(step);
+                    }
+                });
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 ok = false;
                 state
                     .metrics
@@ -368,25 +1347,50 @@ async fn commit_loop<S: CheckpointSink>(
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 tracing::error!(step, error = %e, "checkpoint commit failed");
             }
+            None => tracing::warn!(step, "checkpoint commit cancelled"),
         }
+        // The staged copy is no longer needed either way: committed, or given up.
+        if let Some(p) = staged.first().and_then(|p| p.dir.parent())
+            && p.starts_with(&staging)
+            && p != staging
+        {
+            let _ = std::fs::remove_dir_all(p);
+        }
+        pending.send_modify(|n| *n = n.saturating_sub(1));
     }
     ok
 }
 
-/// Frees staging space: every `step-N` with N <= `step` is committed or superseded.
-fn remove_staged_up_to(staging: &Path, step: u64) {
+/// Frees staging space between worker groups: every `step-N` left there was committed or
+/// abandoned (the committer is idle when this runs).
+fn remove_staged(staging: &Path) {
     let Ok(entries) = std::fs::read_dir(staging) else {
         return;
     };
     for e in entries.flatten() {
         let name = e.file_name();
-        let n = name
-            .to_str()
-            .and_then(|n| n.strip_prefix("step-"))
-            .and_then(|n| n.parse::<u64>().ok());
-        if n.is_some_and(|n| n <= step) {
+        if name.to_str().is_some_and(|n| n.starts_with("step-")) {
             let _ = std::fs::remove_dir_all(e.path());
         }
+    }
+}
+
+/// Standalone when asked, or when one node runs with no rendezvous endpoint (torchrun's rule).
+pub fn is_standalone(cli: &Cli) -> bool {
+    cli.standalone || (cli.nnodes.max == 1 && cli.rdzv_endpoint.is_empty())
+}
+
+/// This host's name when it resolves to an address, else the loopback address.
+fn default_local_addr() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let host = host.trim();
+    if !host.is_empty()
+        && std::net::ToSocketAddrs::to_socket_addrs(&(host, 0))
+            .is_ok_and(|mut a| a.next().is_some())
+    {
+        host.to_string()
+    } else {
+        "127.0.0.1".to_string()
     }
 }
 
@@ -628,18 +1632,18 @@ mod tests {
     }
 
     #[test]
-    fn staged_steps_up_to_the_committed_one_are_removed() {
+    fn staged_steps_are_removed_between_groups() {
         let tmp = tempfile::tempdir().unwrap();
         for s in ["step-5", "step-10", "step-11", "other"] {
             std::fs::create_dir_all(tmp.path().join(s).join("rank-0")).unwrap();
         }
-        remove_staged_up_to(tmp.path(), 10);
+        remove_staged(tmp.path());
         let mut left: Vec<_> = std::fs::read_dir(tmp.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
         left.sort();
-        assert_eq!(left, ["other", "step-11"]);
+        assert_eq!(left, ["other"]);
     }
 
     #[test]

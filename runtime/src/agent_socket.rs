@@ -84,6 +84,8 @@ pub struct Received {
     pub part: StagedPart,
     /// Which worker group (generation or restart) was running; see [`AgentState::epoch`].
     pub epoch: u64,
+    /// The generation that group ran in.
+    pub generation: u64,
     /// This node's ranks in that group.
     pub ranks: Range<u32>,
     pub world_size: u32,
@@ -148,6 +150,8 @@ impl AgentState {
     /// A new worker group starts: new generation and ranks, watchdog and drain flags reset.
     pub fn begin_group(&self, generation: u64, world_size: u32, ranks: Range<u32>) {
         let mut s = self.lock();
+        s.should_stop = false;
+        s.last_step = None;
         s.generation = generation;
         s.epoch += 1;
         s.world_size = world_size;
@@ -235,6 +239,7 @@ impl AgentState {
                 let received = Received {
                     part: StagedPart { rank, step, dir },
                     epoch: s.epoch,
+                    generation: s.generation,
                     ranks: s.ranks.clone(),
                     world_size: s.world_size,
                 };

@@ -17,6 +17,8 @@ pub const MAX_RESTARTS_DEFAULT: u32 = 0;
 pub const MONITOR_INTERVAL_DEFAULT: &str = "0.1s";
 /// Default `--preemption-grace`: cloud Spot notices give 30 s (GCP, Azure) to 120 s (AWS).
 pub const PREEMPTION_GRACE_DEFAULT: &str = "30s";
+/// Default `--startup-timeout`.
+pub const STARTUP_TIMEOUT_DEFAULT: &str = "10m";
 /// Default `--checkpoint-interval` in steps; 0 means interval checkpoints are off.
 pub const CHECKPOINT_INTERVAL_DEFAULT: u64 = 0;
 /// Default `--role`, torchrun's.
@@ -202,14 +204,35 @@ pub struct Cli {
     pub node_id: Option<String>,
 
     /// Restart the workers when none reports progress (`elastic_run.report_progress`) for this
-    /// long, counted from the start of each worker group, so it must cover start-up. Off by
-    /// default; workers that never report must not set it.
+    /// long once they started reporting. Off by default; workers that never report must not
+    /// set it.
     #[arg(long = "hang-timeout", env = "ELASTIC_HANG_TIMEOUT", value_parser = parse_positive_duration)]
     pub hang_timeout: Option<Duration>,
+
+    /// With `--hang-timeout`: how long a worker group may take to report its first step
+    /// (imports, process-group set-up, restore) before it counts as hung.
+    #[arg(long = "startup-timeout", env = "ELASTIC_STARTUP_TIMEOUT", default_value = STARTUP_TIMEOUT_DEFAULT,
+          value_parser = parse_positive_duration)]
+    pub startup_timeout: Duration,
 
     /// Logs as JSON lines.
     #[arg(long, env = "ELASTIC_JSON")]
     pub json: bool,
+
+    /// Address other nodes reach this node at (torchrun's `--local-addr`); rank 0's becomes
+    /// `MASTER_ADDR`. Default: this host's name when it resolves, else 127.0.0.1.
+    #[arg(long = "local-addr", alias = "local_addr", env = "PET_LOCAL_ADDR")]
+    pub local_addr: Option<String>,
+
+    /// Append one JSON line per agent event (generations, commits, drains, failures) here.
+    #[arg(long = "events-file", env = "ELASTIC_EVENTS_FILE")]
+    pub events_file: Option<PathBuf>,
+
+    /// Under `--lr-scaling fixed`, when the global batch cannot be split exactly over the
+    /// world: use the nearest valid configuration (and say so), or refuse.
+    #[arg(long = "indivisible-batch", env = "ELASTIC_INDIVISIBLE_BATCH", value_enum,
+          default_value_t = IndivisibleBatch::Nearest)]
+    pub indivisible_batch: IndivisibleBatch,
 
     /// The training command and its arguments (after `--`, or a `*.py` script torchrun-style).
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
@@ -270,11 +293,35 @@ pub enum LrScaling {
     Fixed,
 }
 
-/// `--checkpoint-url`. Only `file://` is stored by the runtime itself; other schemes are
-/// handed to the `checkpoint` crate once it is wired in.
+/// `--checkpoint-url`: where the `checkpoint` crate stores committed steps. A plain path is
+/// a local directory; `file://`, `s3://`, `az://` (also `azure://`, `abfs://`), `gs://` and
+/// `memory://` (tests) are URLs. A relative path is resolved against the working directory
+/// when the agent starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CheckpointUrl {
-    File(PathBuf),
+pub struct CheckpointUrl(pub String);
+
+impl CheckpointUrl {
+    /// The URL to open: relative local paths made absolute.
+    pub fn resolved(&self) -> std::io::Result<String> {
+        let s = &self.0;
+        if let Some(path) = s.strip_prefix("file://") {
+            return Ok(format!("file://{}", std::path::absolute(path)?.display()));
+        }
+        if s.contains("://") {
+            return Ok(s.clone());
+        }
+        Ok(format!("file://{}", std::path::absolute(s)?.display()))
+    }
+}
+
+/// URL schemes `--checkpoint-url` accepts.
+pub const CHECKPOINT_SCHEMES: &[&str] = &["file", "s3", "az", "azure", "abfs", "gs", "memory"];
+
+/// `--indivisible-batch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum IndivisibleBatch {
+    Nearest,
+    Refuse,
 }
 
 /// `--preemption-notice`: which format to expect and where to poll.
@@ -416,22 +463,25 @@ fn parse_positive_f64(s: &str) -> Result<f64, String> {
 
 fn parse_checkpoint_url(s: &str) -> Result<CheckpointUrl, String> {
     let t = s.trim();
-    if let Some(path) = t.strip_prefix("file://") {
-        if path.is_empty() {
-            return Err("`file://` needs a path".into());
-        }
-        return Ok(CheckpointUrl::File(PathBuf::from(path)));
-    }
-    if let Some((scheme, _)) = t.split_once("://") {
-        return Err(format!(
-            "`{scheme}://` checkpoints need the object-store backend, which this build does not have \
-             yet; use a `file://` URL or a directory"
-        ));
-    }
     if t.is_empty() {
         return Err("empty checkpoint location".into());
     }
-    Ok(CheckpointUrl::File(PathBuf::from(t)))
+    if let Some((scheme, rest)) = t.split_once("://") {
+        if !CHECKPOINT_SCHEMES.contains(&scheme) {
+            return Err(format!(
+                "unknown scheme `{scheme}://`: use a directory, or one of {}",
+                CHECKPOINT_SCHEMES
+                    .iter()
+                    .map(|s| format!("{s}://"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+        if rest.is_empty() && scheme != "memory" {
+            return Err(format!("`{scheme}://` needs a bucket or path"));
+        }
+    }
+    Ok(CheckpointUrl(t.to_string()))
 }
 
 /// `gcp`, `aws`, `azure` (their metadata URLs), `KIND=http://...` (that format at another
@@ -551,7 +601,9 @@ mod tests {
             &["--lr-scaling", "cubic", "x.py"],
             &["--preemption-grace", "soon", "x.py"],
             &["--preemption-notice", "ftp://x", "x.py"],
-            &["--checkpoint-url", "s3://bucket/job", "x.py"],
+            &["--checkpoint-url", "ftp://bucket/job", "x.py"],
+            &["--checkpoint-url", "s3://", "x.py"],
+            &["--indivisible-batch", "round", "x.py"],
             &["--rdzv-conf", "novalue", "x.py"],
             &["--base-world-size", "0", "x.py"],
             &["--base-lr", "-1", "x.py"],
@@ -594,7 +646,21 @@ mod tests {
             "x.py",
         ])
         .unwrap();
-        assert_eq!(cli.checkpoint_url, CheckpointUrl::File("/tmp/ck".into()));
+        assert_eq!(cli.checkpoint_url, CheckpointUrl("file:///tmp/ck".into()));
+        assert_eq!(
+            parse_checkpoint_url("s3://b/job")
+                .unwrap()
+                .resolved()
+                .unwrap(),
+            "s3://b/job"
+        );
+        assert!(
+            parse_checkpoint_url("rel/dir")
+                .unwrap()
+                .resolved()
+                .unwrap()
+                .starts_with("file:///")
+        );
         assert_eq!(cli.lr_scaling, LrScaling::Sqrt);
         assert_eq!(cli.preemption_grace, Duration::from_secs(120));
         assert_eq!(

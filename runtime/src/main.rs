@@ -7,6 +7,22 @@ use runtime::agent::{self, UsageError};
 use runtime::cli::Cli;
 
 fn main() -> ExitCode {
+    // `elastic-run status ...` reads a job's state; anything else runs an agent.
+    if std::env::args_os().nth(1).is_some_and(|a| a == "status") {
+        let cli = runtime::status::StatusCli::parse_from(std::env::args_os().skip(1));
+        runtime::logging::init(false);
+        let rt = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                eprintln!("elastic-run: error: cannot start the async runtime: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        return ExitCode::from(rt.block_on(runtime::status::run(cli)));
+    }
     // Usage errors exit 2 with clap's message.
     let cli = Cli::parse();
     runtime::logging::init(cli.json);

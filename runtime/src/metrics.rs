@@ -33,6 +33,14 @@ pub struct Metrics {
     /// Step + 1 of the newest commit; 0 = none yet.
     committed_step_plus_one: AtomicU64,
     pub drains_total: AtomicU64,
+    /// Generations this node ran workers in.
+    pub generations_total: AtomicU64,
+    /// Times this node lost (or could not renew) its etcd lease.
+    pub fences_total: AtomicU64,
+    /// 1 while this node holds a live etcd lease, 0 while it does not; absent outside etcd mode.
+    pub lease_healthy: AtomicU64,
+    /// Whether `lease_healthy` means anything (etcd mode).
+    pub has_lease: std::sync::atomic::AtomicBool,
 }
 
 impl Metrics {
@@ -117,6 +125,26 @@ impl Metrics {
             "Drains started (signal or notice).",
             get(&self.drains_total).to_string(),
         );
+        metric(
+            "elastic_generations_total",
+            "counter",
+            "Generations this node ran workers in.",
+            get(&self.generations_total).to_string(),
+        );
+        if self.has_lease.load(Ordering::Relaxed) {
+            metric(
+                "elastic_lease_healthy",
+                "gauge",
+                "1 while this node holds a live etcd lease.",
+                get(&self.lease_healthy).to_string(),
+            );
+            metric(
+                "elastic_fences_total",
+                "counter",
+                "Times this node lost or could not renew its etcd lease.",
+                get(&self.fences_total).to_string(),
+            );
+        }
         let committed = get(&self.committed_step_plus_one).checked_sub(1);
         let reported = state.last_step();
         if let Some(c) = committed {

@@ -45,10 +45,16 @@ pub struct SupervisorConfig {
     /// How often the drain deadline and the hang watchdog are checked.
     pub monitor_interval: Duration,
     pub hang_timeout: Option<Duration>,
+    /// Before a group's first progress report, the hang watchdog waits this long instead.
+    pub startup_timeout: Duration,
     /// SIGTERM to SIGKILL when stopping a group.
     pub stop_grace: Duration,
     /// Whether the agent's own environment sets `OMP_NUM_THREADS`.
     pub omp_num_threads_set: bool,
+    /// `TORCHELASTIC_RESTART_COUNT` of the first group: restarts the caller already made.
+    /// Restarts here continue from it, and stop once it reaches `max_restarts` (an agent that
+    /// restarts groups itself passes `max_restarts: 0`).
+    pub first_restart: u32,
 }
 
 /// What the agent (or the membership layer) asks of a running supervisor.
@@ -117,7 +123,7 @@ pub async fn run(
     state: Arc<AgentState>,
     mut commands: mpsc::Receiver<Command>,
 ) -> Outcome {
-    let mut restarts: u32 = 0;
+    let mut restarts: u32 = cfg.first_restart;
     let mut drain_deadline: Option<Instant> = None;
     loop {
         let span = tracing::info_span!("generation", generation = view.generation, restarts);
@@ -259,7 +265,11 @@ async fn run_group(
                     break GroupEnd::DrainTimedOut;
                 }
                 if let (Some(limit), None) = (cfg.hang_timeout, *drain_deadline) {
-                    let last = state.last_progress().map_or(started, |p| p.max(started));
+                    // Start-up (imports, rendezvous, restore) gets its own allowance.
+                    let (last, limit) = match state.last_progress() {
+                        Some(p) => (p.max(started), limit),
+                        None => (started, cfg.startup_timeout.max(limit)),
+                    };
                     if now.duration_since(last) > limit {
                         break GroupEnd::Hung(limit);
                     }
@@ -594,8 +604,10 @@ mod tests {
             max_restarts,
             monitor_interval: Duration::from_millis(20),
             hang_timeout: None,
+            startup_timeout: Duration::from_millis(300),
             stop_grace: Duration::from_secs(2),
             omp_num_threads_set: false,
+            first_restart: 0,
         }
     }
 

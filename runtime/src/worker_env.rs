@@ -223,6 +223,7 @@ mod tests {
                 global_batch: Some(192),
                 grad_accum_steps: 1,
                 warmup_steps: 100,
+                note: String::new(),
             },
             resume: Some(ResumePoint {
                 step: 1200,

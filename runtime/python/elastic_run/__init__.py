@@ -21,8 +21,17 @@ Typical loop::
 Snapshot layout (one directory per rank, written under a temporary name and renamed)::
 
     $ELASTIC_STAGING_DIR/step-<N>/rank-<R>/tensors.safetensors   this rank's share of the tensors
-    $ELASTIC_STAGING_DIR/step-<N>/rank-<R>/meta.json             step, world size, keys; rank 0
-                                                                 also the non-tensor state
+    $ELASTIC_STAGING_DIR/step-<N>/rank-<R>/meta.json             format version, step, rank, world
+                                                                 size, keys, and the (replicated)
+                                                                 non-tensor state
+
+Every rank records the non-tensor state, so any node's agent can commit the step. What the
+agent restores from the checkpoint store for a new generation (``$ELASTIC_RESUME_DIR``)::
+
+    $ELASTIC_RESUME_DIR/rank-<R>/state.safetensors   every tensor rank R needs (DDP: all of them)
+    $ELASTIC_RESUME_DIR/rank-<R>/metadata.json       {"step", "rank", "world_size",
+                                                      "saved_world_size", "metadata":
+                                                      {"elastic": {...}, "state": {...}}}
 
 Replicated (DDP) state is split between ranks by bytes, so each byte is written once; ``load``
 reads every rank's share, so a checkpoint can be loaded at any world size.
@@ -69,6 +78,9 @@ SOCKET_TIMEOUT_S = 30.0
 
 _TENSORS = "tensors.safetensors"
 _META = "meta.json"
+# What the agent restores from the checkpoint store (the checkpoint crate's restore layout).
+_RESTORED = "state.safetensors"
+_RESTORED_META = "metadata.json"
 
 
 def _env_int(name, default=None):
@@ -458,8 +470,8 @@ def save(step, model=None, optimizer=None, extra=None):
         "world_size": w,
         "keys": sorted(mine),
     }
-    if r == 0:
-        meta["state"] = rest
+    # Every rank records the (replicated) JSON state, so any node's agent can commit the step.
+    meta["state"] = rest
     tpath = os.path.join(tmp, _TENSORS)
     save_file(mine, tpath, metadata={"step": str(step), "rank": str(r)})
     mpath = os.path.join(tmp, _META)
@@ -485,21 +497,115 @@ def save(step, model=None, optimizer=None, extra=None):
 def load(model=None, optimizer=None, resume_dir=None):
     """Loads the committed step the agent resumes from (``$ELASTIC_RESUME_DIR``) into ``model``
     and ``optimizer``, whatever world size saved it. Returns ``(step, extra)``, or None when
-    there is nothing to resume from."""
-    import torch
-    from safetensors import safe_open
+    there is nothing to resume from.
 
+    Two layouts are read: what the agent restores from the checkpoint store
+    (``DIR/rank-$RANK/state.safetensors`` with every tensor this rank needs, and
+    ``DIR/rank-$RANK/metadata.json``), and a staged snapshot (``DIR/rank-*/tensors.safetensors``
+    and ``meta.json``, every rank's share). Without ``resume_dir``, the step read must be
+    ``$ELASTIC_RESUME_STEP`` when that is set. Raises ``ValueError`` on an unknown format
+    version, a step that does not match, or a directory that is neither layout."""
+    from_env = resume_dir is None
     d = resume_dir or os.environ.get("ELASTIC_RESUME_DIR")
     if not d or not os.path.isdir(d):
         return None
+    mine = os.path.join(d, f"rank-{rank()}")
+    if os.path.isfile(os.path.join(mine, _RESTORED)):
+        step, tensors, rest = _read_restored(mine)
+    elif _is_restore_dir(d):
+        raise ValueError(f"{d}: restored for other ranks: no {_RESTORED} for rank {rank()}")
+    else:
+        step, tensors, rest = _read_staged(d)
+    expected = resume_step() if from_env else None
+    if expected is not None and step != expected:
+        raise ValueError(f"{d}: holds step {step}, but ELASTIC_RESUME_STEP is {expected}")
+    _apply(tensors, rest, model, optimizer)
+    extra = dict(rest.get("extra", {}))
+    for k, v in tensors.items():
+        if k.startswith("extra/"):
+            extra[k[len("extra/"):]] = v
+    return step, extra
+
+
+# The restore metadata versions this client reads (``metadata.json`` has no version field yet;
+# a future one must say so).
+_RESTORED_VERSIONS = (1,)
+# Largest metadata.json / meta.json read: a corrupt file must not exhaust memory.
+_META_BYTES_MAX = 16 * 1024 * 1024
+
+
+def _read_json(path):
+    size = os.path.getsize(path)
+    if size > _META_BYTES_MAX:
+        raise ValueError(f"{path}: {size} bytes, over the limit of {_META_BYTES_MAX}")
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON: {e}") from None
+
+
+def _is_restore_dir(d):
+    if os.path.isfile(os.path.join(d, "restored.json")):
+        return True
+    for name in os.listdir(d):
+        if name.startswith("rank-") and os.path.isfile(os.path.join(d, name, _RESTORED)):
+            return True
+    return False
+
+
+def _read_restored(d):
+    from safetensors import safe_open
+
+    path = os.path.join(d, _RESTORED_META)
+    meta = _read_json(path)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    version = meta.get("format_version", 1)
+    if version not in _RESTORED_VERSIONS:
+        raise ValueError(f"{path}: unknown restore format version {version!r} (this client reads {_RESTORED_VERSIONS})")
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"{path}: no step")
+    md = meta.get("metadata")
+    md = {} if md is None else md
+    if not isinstance(md, dict):
+        raise ValueError(f"{path}: metadata is not an object")
+    rest = md.get("state")
+    rest = {} if rest is None else rest
+    if not isinstance(rest, dict):
+        raise ValueError(f"{path}: metadata.state is not an object")
+    tensors = {}
+    with safe_open(os.path.join(d, _RESTORED), framework="pt") as f:
+        header = f.metadata() or {}
+        saved_step = header.get("elastic.step")
+        if saved_step is not None and saved_step != str(step):
+            raise ValueError(f"{d}: {_RESTORED} holds step {saved_step}, {_RESTORED_META} says step {step}")
+        # Sharded rows depend on the rank and world they were cut for; replicated tensors
+        # serve any rank (the agent links one restore for all of its ranks).
+        if header.get("elastic.shards"):
+            for key, want in (("rank", rank()), ("world_size", world_size())):
+                if meta.get(key) != want:
+                    raise ValueError(f"{path}: sharded state restored for {key} {meta.get(key)!r}, this worker has {want}")
+        for k in f.keys():
+            tensors[k] = f.get_tensor(k)
+    return step, tensors, rest
+
+
+def _read_staged(d):
+    from safetensors import safe_open
+
     metas = {}
     for name in os.listdir(d):
         if name.startswith("rank-") and os.path.isdir(os.path.join(d, name)):
-            with open(os.path.join(d, name, _META)) as f:
-                m = json.load(f)
+            m = _read_json(os.path.join(d, name, _META))
+            if not isinstance(m, dict):
+                raise ValueError(f"{d}/{name}/{_META}: not a JSON object")
             if m.get("format_version") != FORMAT_VERSION:
                 raise ValueError(f"{d}/{name}: unknown snapshot format {m.get('format_version')!r}")
-            metas[int(m["rank"])] = (name, m)
+            if not isinstance(m.get("rank"), int) or not isinstance(m.get("step"), int):
+                raise ValueError(f"{d}/{name}/{_META}: no rank or step")
+            metas[m["rank"]] = (name, m)
     if not metas:
         raise ValueError(f"{d}: no rank-* snapshot directories")
     saved_world = metas[min(metas)][1]["world_size"]
@@ -520,6 +626,10 @@ def load(model=None, optimizer=None, resume_dir=None):
                     raise ValueError(f"{d}: tensor {k!r} stored twice")
                 tensors[k] = f.get_tensor(k)
     rest = metas[0][1].get("state", {})
+    return step, tensors, rest
+
+
+def _apply(tensors, rest, model, optimizer):
     if model is not None:
         target = _unwrap(model)
         sd = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
@@ -533,12 +643,6 @@ def load(model=None, optimizer=None, resume_dir=None):
                 _, _, idx, name = k.split("/", 3)
                 state.setdefault(int(idx), {})[name] = v
         optimizer.load_state_dict({"state": state, "param_groups": rest.get("optim_param_groups", [])})
-    extra = dict(rest.get("extra", {}))
-    for k, v in tensors.items():
-        if k.startswith("extra/"):
-            extra[k[len("extra/"):]] = v
-    del torch
-    return step, extra
 
 
 def _main(argv):

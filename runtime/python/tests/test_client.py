@@ -258,5 +258,121 @@ class Snapshots(Env):
         self.assertTrue(torch.equal(fresh["head"].weight, emb.weight))
 
 
+class RestoredLayout(Snapshots):
+    """The layout the agent's restore writes (the checkpoint crate's ``Store::restore``):
+    ``rank-R/state.safetensors`` with every tensor, ``__metadata__`` naming step, rank and world,
+    and ``rank-R/metadata.json`` with the manifest metadata under ``"metadata"``."""
+
+    def stage(self, step=7, world=2):
+        torch = self.torch
+        staging = os.path.join(self.tmp.name, "staging")
+        os.environ.pop("ELASTIC_AGENT_SOCKET", None)
+        model, opt = self.make(0)
+        self.rng = torch.get_rng_state()
+        for r in range(world):
+            self.env(ELASTIC_STAGING_DIR=staging, RANK=r, WORLD_SIZE=world)
+            er.save(step, model=model, optimizer=opt, extra={"data_pos": 56, "rng": self.rng})
+        return model, opt, os.path.join(staging, f"step-{step}")
+
+    def restore(self, staged, world, step=7, meta_step=None, version=None, shards=None, ranks=None):
+        """What the agent lays out for ``world``: every rank gets the union of the staged parts."""
+        from safetensors.torch import load_file, save_file
+
+        tensors = {}
+        state = None
+        for name in sorted(os.listdir(staged)):
+            tensors.update(load_file(os.path.join(staged, name, "tensors.safetensors")))
+            state = state or read_json(os.path.join(staged, name, "meta.json"))["state"]
+        out = os.path.join(self.tmp.name, "restore", f"step-{step}")
+        for r in range(world) if ranks is None else ranks:
+            d = os.path.join(out, f"rank-{r}")
+            os.makedirs(d, exist_ok=True)
+            header = {"elastic.step": str(step), "elastic.rank": str(r), "elastic.world_size": str(world)}
+            if shards:
+                header["elastic.shards"] = json.dumps(shards)
+            save_file(tensors, os.path.join(d, "state.safetensors"), metadata=header)
+            meta = {"step": step if meta_step is None else meta_step, "rank": r, "world_size": world,
+                    "saved_world_size": 2, "metadata": {"elastic": {"generation": 3}, "state": state}}
+            if version is not None:
+                meta["format_version"] = version
+            with open(os.path.join(d, "metadata.json"), "w") as f:
+                json.dump(meta, f)
+        return out
+
+    def test_load_reads_the_agents_restore_layout_at_a_new_world_size(self):
+        torch = self.torch
+        model, opt, staged = self.stage()
+        out = self.restore(staged, world=3)
+        self.env(ELASTIC_RESUME_DIR=out, ELASTIC_RESUME_STEP=7, RANK=2, WORLD_SIZE=3)
+        fresh, fresh_opt = self.make(1)
+        step, extra = er.load(model=fresh, optimizer=fresh_opt)
+        self.assertEqual(step, 7)
+        self.assertEqual(extra["data_pos"], 56)
+        self.assertTrue(torch.equal(extra["rng"], self.rng))
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+            self.assertTrue(torch.equal(a, b))
+        x = torch.randn(4, 8)
+        for m, o in ((model, opt), (fresh, fresh_opt)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+            self.assertTrue(torch.equal(a, b))
+
+    def test_a_restored_step_other_than_the_resume_step_is_refused(self):
+        _, _, staged = self.stage()
+        out = self.restore(staged, world=1)
+        self.env(ELASTIC_RESUME_DIR=out, ELASTIC_RESUME_STEP=8, RANK=0, WORLD_SIZE=1)
+        with self.assertRaisesRegex(ValueError, "holds step 7, but ELASTIC_RESUME_STEP is 8"):
+            er.load(model=self.make(1)[0])
+
+    def test_metadata_and_tensors_of_different_steps_are_refused(self):
+        _, _, staged = self.stage()
+        out = self.restore(staged, world=1, meta_step=9)
+        self.env(RANK=0, WORLD_SIZE=1)
+        with self.assertRaisesRegex(ValueError, "holds step 7.*says step 9"):
+            er.load(model=self.make(1)[0], resume_dir=out)
+
+    def test_unknown_restore_format_version_is_refused(self):
+        _, _, staged = self.stage()
+        out = self.restore(staged, world=1, version=2)
+        self.env(RANK=0, WORLD_SIZE=1)
+        with self.assertRaisesRegex(ValueError, "unknown restore format version 2"):
+            er.load(model=self.make(1)[0], resume_dir=out)
+
+    def test_unknown_staged_format_version_is_refused(self):
+        _, _, staged = self.stage()
+        path = os.path.join(staged, "rank-1", "meta.json")
+        meta = read_json(path)
+        meta["format_version"] = 99
+        with open(path, "w") as f:
+            json.dump(meta, f)
+        with self.assertRaisesRegex(ValueError, "unknown snapshot format 99"):
+            er.load(model=self.make(1)[0], resume_dir=staged)
+
+    def test_a_restore_without_this_rank_is_refused(self):
+        _, _, staged = self.stage()
+        out = self.restore(staged, world=4, ranks=[0, 1])
+        self.env(RANK=3, WORLD_SIZE=4)
+        with self.assertRaisesRegex(ValueError, "no state.safetensors for rank 3"):
+            er.load(model=self.make(1)[0], resume_dir=out)
+
+    def test_sharded_rows_of_another_world_are_refused(self):
+        _, _, staged = self.stage()
+        shards = {"model/0.weight": {"global_shape": [16, 8], "dim0_offset": 0}}
+        out = self.restore(staged, world=2, shards=shards)
+        self.env(RANK=1, WORLD_SIZE=3)
+        with self.assertRaisesRegex(ValueError, "world_size 2, this worker has 3"):
+            er.load(model=self.make(1)[0], resume_dir=out)
+
+    def test_every_rank_records_the_state(self):
+        _, _, staged = self.stage(world=3)
+        states = [read_json(os.path.join(staged, f"rank-{r}", "meta.json"))["state"] for r in range(3)]
+        self.assertEqual(states[0]["extra"], {"data_pos": 56})
+        self.assertTrue(states[0]["optim_param_groups"])
+        self.assertEqual(states[0], states[1])
+        self.assertEqual(states[0], states[2])
+
+
 if __name__ == "__main__":
     unittest.main()

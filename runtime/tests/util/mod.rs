@@ -1,3 +1,4 @@
+#![allow(dead_code)] // Each test binary uses a different subset.
 //! Helpers for the agent's end-to-end tests: run `elastic-run` as a child, read its output
 //! while it runs, and check processes by PID.
 
@@ -133,4 +134,25 @@ pub fn alive(pid: i32) -> bool {
         }
         Err(_) => false,
     }
+}
+
+/// The committed steps in a checkpoint store (a directory or URL; S3 settings come from the
+/// environment).
+pub fn committed_steps(url: &str) -> Vec<u64> {
+    let url = if url.contains("://") {
+        url.to_string()
+    } else {
+        format!("file://{url}")
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let store = checkpoint::Store::open(&url).unwrap();
+        store
+            .committed_steps(&checkpoint::CancellationToken::new())
+            .await
+            .unwrap()
+    })
 }

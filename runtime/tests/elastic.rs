@@ -1,0 +1,692 @@
+//! End-to-end tests of elastic runs: several `elastic-run` agents (simulated nodes, distinct
+//! node ids and staging dirs) on one real etcd, training `examples/ddp_train.py` with PyTorch
+//! gloo, checkpointing to real S3 (moto) or `file://`.
+//!
+//! The agents' `--events-file` tells what happened (generations, commits, first steps); the
+//! workers' output tells what they trained. These tests are heavy (up to 8 PyTorch processes),
+//! so they run one at a time.
+
+mod util;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use util::*;
+
+/// One heavy test at a time: they share 2 cores in CI.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const TTL_MS: u64 = 2_000;
+const SETTLE_MS: u64 = 500;
+
+struct Job {
+    _guard: std::sync::MutexGuard<'static, ()>,
+    tmp: tempfile::TempDir,
+    etcd: services::Etcd,
+    _moto: Option<services::Moto>,
+    url: String,
+    env: Vec<(String, String)>,
+    id: String,
+}
+
+struct Agent {
+    node: String,
+    child: Child,
+    out: Receiver<String>,
+    err: Receiver<String>,
+    seen: String,
+}
+
+impl Job {
+    fn new(store: &str) -> Job {
+        let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let tmp = tempfile::tempdir().unwrap();
+        let etcd = services::etcd().expect("etcd must start (run tests/services/setup.sh)");
+        let (moto, url, env) = match store {
+            "s3" => {
+                let m = services::moto().expect("moto must start");
+                m.create_bucket("ckpt").unwrap();
+                let env = m.env();
+                (Some(m), "s3://ckpt/job".to_string(), env)
+            }
+            _ => (
+                None,
+                format!("file://{}", tmp.path().join("bucket").display()),
+                vec![],
+            ),
+        };
+        Job {
+            _guard: guard,
+            tmp,
+            etcd,
+            _moto: moto,
+            url,
+            env,
+            id: "e2e".into(),
+        }
+    }
+
+    fn events_path(&self) -> PathBuf {
+        self.tmp.path().join("events.jsonl")
+    }
+
+    /// An agent command for `node`: `nnodes` MIN:MAX, 2 workers, linear LR scaling from a base
+    /// world of 6, checkpoints every 5 steps.
+    fn command(&self, node: &str, nnodes: &str, staging: &str, train: &[&str]) -> Command {
+        let mut c = agent(self.tmp.path());
+        c.envs(self.env.iter().map(|(k, v)| (k, v)));
+        c.args([
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "etcd-v3",
+            "--rdzv-endpoint",
+            &self.etcd.host_port(),
+            "--rdzv-id",
+            &self.id,
+            "--node-id",
+            node,
+            "--local-addr",
+            "127.0.0.1",
+            "--rdzv-conf",
+            &format!("lease_ttl_ms={TTL_MS},settle_ms={SETTLE_MS}"),
+            "--checkpoint-url",
+            &self.url,
+            "--checkpoint-interval",
+            "5",
+            "--lr-scaling",
+            "linear",
+            "--base-world-size",
+            "6",
+            "--batch-size",
+            "8",
+            "--base-lr",
+            "0.05",
+            "--preemption-grace",
+            "60s",
+        ])
+        .arg("--staging-dir")
+        .arg(self.tmp.path().join(staging))
+        .arg("--events-file")
+        .arg(self.events_path())
+        .arg("--")
+        .arg(python())
+        .arg(repo().join("examples/ddp_train.py"))
+        .args(train);
+        c
+    }
+
+    /// Starts `node` and waits until it joined, so nodes started one after another take
+    /// ranks in that order.
+    fn start(&self, node: &str, nnodes: &str, train: &[&str]) -> Agent {
+        let a = self.start_cmd(
+            node,
+            self.command(node, nnodes, &format!("staging-{node}"), train),
+        );
+        self.wait_event("the node to join", LONG, |e| {
+            is(e, "joined") && node_of(e) == node
+        });
+        a
+    }
+
+    fn start_cmd(&self, node: &str, mut c: Command) -> Agent {
+        let mut child = c
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn elastic-run");
+        let out = reader(child.stdout.take().unwrap());
+        let err = reader(child.stderr.take().unwrap());
+        Agent {
+            node: node.into(),
+            child,
+            out,
+            err,
+            seen: String::new(),
+        }
+    }
+
+    fn events(&self) -> Vec<Value> {
+        std::fs::read_to_string(self.events_path())
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// Waits until an event satisfies `pred`; returns it.
+    fn wait_event(&self, what: &str, limit: Duration, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(e) = self.events().into_iter().find(|e| pred(e)) {
+                return e;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {what} within {limit:?}; events:\n{}\netcd: {}",
+                self.events()
+                    .iter()
+                    .map(|e| e.to_string())
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+                self.etcd.service.log_tail()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn committed_steps(&self) -> Vec<u64> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let url = self.url.clone();
+        let env = self.env.clone();
+        rt.block_on(async move {
+            let store = checkpoint::Store::open_with_options(
+                &url,
+                env.iter()
+                    .filter_map(|(k, v)| {
+                        let key = match k.as_str() {
+                            "AWS_ENDPOINT" => "aws_endpoint",
+                            "AWS_ALLOW_HTTP" => "aws_allow_http",
+                            "AWS_ACCESS_KEY_ID" => "aws_access_key_id",
+                            "AWS_SECRET_ACCESS_KEY" => "aws_secret_access_key",
+                            "AWS_REGION" => "aws_region",
+                            _ => return None,
+                        };
+                        Some((key.to_string(), v.clone()))
+                    })
+                    .collect::<Vec<_>>(),
+            )
+            .unwrap();
+            store
+                .committed_steps(&checkpoint::CancellationToken::new())
+                .await
+                .unwrap()
+        })
+    }
+}
+
+impl Agent {
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    fn wait_line(&mut self, needle: &str, limit: Duration) {
+        assert!(
+            wait_for_line(&self.out, needle, limit, &mut self.seen),
+            "{}: no line with {needle:?} within {limit:?}:\n{}\n{}",
+            self.node,
+            self.seen,
+            drain(&self.err)
+        );
+    }
+
+    /// Waits for exit; returns (status code, stdout, stderr).
+    fn finish(mut self, limit: Duration) -> (i32, String, String) {
+        let status = wait_limit(&mut self.child, limit);
+        self.seen.push_str(&collect(self.out));
+        let err = collect(self.err);
+        (status.code().unwrap_or(-1), self.seen, err)
+    }
+}
+
+fn drain(rx: &Receiver<String>) -> String {
+    let mut s = String::new();
+    while let Ok(l) = rx.recv_timeout(Duration::from_millis(100)) {
+        s.push_str(&l);
+        s.push('\n');
+    }
+    s
+}
+
+fn node_of(e: &Value) -> &str {
+    e["node"].as_str().unwrap_or("")
+}
+
+fn is(e: &Value, event: &str) -> bool {
+    e["event"] == event
+}
+
+/// Worker PIDs: the agent's children.
+fn children(pid: i32) -> Vec<i32> {
+    let mut out = vec![];
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, r)| r.split_whitespace().nth(1))
+            .and_then(|x| x.parse::<i32>().ok());
+        if ppid == Some(pid) {
+            out.push(p);
+        }
+    }
+    out
+}
+
+fn step_of(line_prefix: &str, out: &str) -> Option<u64> {
+    out.lines()
+        .rev()
+        .filter_map(|l| l.split(line_prefix).nth(1))
+        .find_map(|r| r.split_whitespace().next()?.parse().ok())
+}
+
+const LONG: Duration = Duration::from_secs(240);
+
+#[test]
+fn sigkill_of_one_agent_leaves_survivors_training_at_world_4_with_rescaled_lr() {
+    let job = Job::new("s3");
+    let train = ["--steps", "70", "--step-sleep", "0.1"];
+    let mut a = job.start("a", "2:3", &train);
+    let b = job.start("b", "2:3", &train);
+    let c = job.start("c", "2:3", &train);
+    let g1 = job.wait_event("generation at world 6", LONG, |e| {
+        is(e, "generation") && e["world_size"] == 6
+    });
+    let gen1 = g1["generation"].as_u64().unwrap();
+    assert!(
+        (g1["lr_scale"].as_f64().unwrap() - 1.0).abs() < 1e-9,
+        "{g1}"
+    );
+    job.wait_event("a commit at step 10", LONG, |e| {
+        is(e, "checkpoint_committed") && e["step"].as_u64() >= Some(10)
+    });
+    let workers_c = children(c.pid());
+    assert_eq!(workers_c.len(), 2, "c runs two workers");
+    let committed_before = *job.committed_steps().last().unwrap();
+    let killed_at = events_now();
+    signal(&c.child, libc::SIGKILL);
+    let mut c = c;
+    let _ = c.child.wait();
+    let g2 = job.wait_event("generation at world 4", LONG, |e| {
+        is(e, "generation") && e["world_size"] == 4 && node_of(e) == "a"
+    });
+    assert!(g2["generation"].as_u64().unwrap() > gen1, "{g2}");
+    assert_eq!(g2["members"], serde_json::json!(["a", "b"]), "{g2}");
+    let scale = g2["lr_scale"].as_f64().unwrap();
+    assert!((scale - 4.0 / 6.0).abs() < 1e-9, "LR scale {scale}");
+    assert!(
+        (g2["lr"].as_f64().unwrap() - 0.05 * 4.0 / 6.0).abs() < 1e-9,
+        "{g2}"
+    );
+    let resume = g2["resume_step"].as_u64().expect("resumes from a commit");
+    assert!(
+        resume >= committed_before,
+        "resume {resume} < committed {committed_before}"
+    );
+    // c's workers died with it (PR_SET_PDEATHSIG): no orphan trains on.
+    std::thread::sleep(Duration::from_millis(500));
+    for p in workers_c {
+        assert!(!alive(p), "worker {p} of the killed agent is still alive");
+    }
+    let first = job.wait_event("first step of the new generation", LONG, |e| {
+        is(e, "first_step") && e["generation"] == g2["generation"]
+    });
+    eprintln!(
+        "recovery after SIGKILL: {} ms from the kill to the survivors' first step",
+        first["ts_ms"].as_u64().unwrap() - killed_at
+    );
+    a.wait_line(&format!("resumed from step {resume} "), LONG);
+    a.wait_line("world 4 accum 1", LONG);
+    let (code_a, out_a, err_a) = a.finish(LONG);
+    let (code_b, _, err_b) = b.finish(LONG);
+    assert_eq!(code_a, 0, "{out_a}\n{err_a}");
+    assert_eq!(code_b, 0, "{err_b}");
+    assert!(out_a.contains("done step 70 "), "{out_a}");
+    assert!(job.committed_steps().contains(&70));
+}
+
+fn events_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+#[test]
+fn sigterm_of_one_agent_commits_its_emergency_checkpoint_and_no_step_is_lost() {
+    let job = Job::new("s3");
+    let train = ["--steps", "100000", "--step-sleep", "0.1"];
+    let mut a = job.start("a", "2:3", &train);
+    let b = job.start("b", "2:3", &train);
+    let c = job.start("c", "2:3", &train);
+    let g1 = job.wait_event("generation at world 6", LONG, |e| {
+        is(e, "generation") && e["world_size"] == 6
+    });
+    a.wait_line("[rank 0] step 8 ", LONG);
+    let termed_at = events_now();
+    signal(&c.child, libc::SIGTERM);
+    // Every rank stops at the same step and saves it; rank 0 (on a) says which.
+    a.wait_line("stopping at step", LONG);
+    let stopped = step_of("stopping at step ", &a.seen).unwrap();
+    let (code_c, _out_c, err_c) = c.finish(LONG);
+    assert_eq!(code_c, 0, "the preempted agent drains cleanly:\n{err_c}");
+    assert!(job.committed_steps().contains(&stopped), "{err_c}");
+    let g2 = job.wait_event("generation at world 4", LONG, |e| {
+        is(e, "generation") && e["world_size"] == 4 && node_of(e) == "a"
+    });
+    assert!(g2["generation"].as_u64() > g1["generation"].as_u64());
+    assert_eq!(
+        g2["resume_step"].as_u64(),
+        Some(stopped),
+        "zero lost steps: the new generation resumes from the drained step"
+    );
+    let first = job.wait_event("first step of the new generation", LONG, |e| {
+        is(e, "first_step") && e["generation"] == g2["generation"]
+    });
+    eprintln!(
+        "recovery after SIGTERM: {} ms from the signal to the survivors' first step",
+        first["ts_ms"].as_u64().unwrap() - termed_at
+    );
+    a.wait_line(&format!("resumed from step {stopped} "), LONG);
+    a.wait_line(&format!("[rank 0] step {} ", stopped + 1), LONG);
+    assert!(
+        !a.seen.contains(&format!("[rank 0] step {stopped} loss"))
+            || a.seen
+                .matches(&format!("[rank 0] step {stopped} loss"))
+                .count()
+                == 1,
+        "step {stopped} trained twice"
+    );
+    // Stop the survivors too: each drains, the job ends cleanly.
+    signal(&a.child, libc::SIGTERM);
+    signal(&b.child, libc::SIGTERM);
+    let (code_a, out_a, err_a) = a.finish(LONG);
+    let (code_b, _, err_b) = b.finish(LONG);
+    assert_eq!(code_a, 0, "{out_a}\n{err_a}");
+    assert_eq!(code_b, 0, "{err_b}");
+}
+
+#[test]
+fn a_fourth_agent_joins_and_the_job_scales_up() {
+    let job = Job::new("file");
+    let train = ["--steps", "60", "--step-sleep", "0.1"];
+    let a = job.start("a", "2:4", &train);
+    let b = job.start("b", "2:4", &train);
+    let c = job.start("c", "2:4", &train);
+    job.wait_event("generation at world 6", LONG, |e| {
+        is(e, "generation") && e["world_size"] == 6
+    });
+    job.wait_event("a commit", LONG, |e| is(e, "checkpoint_committed"));
+    let d = job.start("d", "2:4", &train);
+    let g = job.wait_event("generation at world 8", LONG, |e| {
+        is(e, "generation") && e["world_size"] == 8 && node_of(e) == "d"
+    });
+    assert_eq!(g["members"], serde_json::json!(["a", "b", "c", "d"]));
+    assert!(
+        (g["lr_scale"].as_f64().unwrap() - 8.0 / 6.0).abs() < 1e-9,
+        "{g}"
+    );
+    assert_eq!(g["rank_offset"], 6);
+    for ag in [a, b, c, d] {
+        let node = ag.node.clone();
+        let (code, out, err) = ag.finish(LONG);
+        assert_eq!(code, 0, "{node}:\n{out}\n{err}");
+    }
+    let done: Vec<Value> = job.events().into_iter().filter(|e| is(e, "exit")).collect();
+    assert_eq!(done.len(), 4, "{done:?}");
+}
+
+#[test]
+fn fresh_agents_with_empty_staging_resume_from_the_s3_bucket() {
+    let mut job = Job::new("s3");
+    let train = ["--steps", "100000", "--step-sleep", "0.05"];
+    let agents: Vec<Agent> = ["a", "b", "c"]
+        .into_iter()
+        .map(|n| job.start(n, "2:3", &train))
+        .collect();
+    job.wait_event("a commit at step 10", LONG, |e| {
+        is(e, "checkpoint_committed") && e["step"].as_u64() >= Some(10)
+    });
+    // Every agent dies at once: nothing but the bucket is left.
+    for mut ag in agents {
+        signal(&ag.child, libc::SIGKILL);
+        let _ = ag.child.wait();
+    }
+    let newest = *job.committed_steps().last().unwrap();
+    std::fs::remove_dir_all(job.tmp.path().join("staging-a")).ok();
+    // A new run id: the old one's leases need a TTL to expire, the bucket is what matters.
+    job.id = "e2e-resumed".into();
+    let steps = (newest + 6).to_string();
+    let train2 = ["--steps", steps.as_str(), "--step-sleep", "0.05"];
+    let mut x = job.start_cmd("x", job.command("x", "2:2", "fresh-x", &train2));
+    job.wait_event("x to join", LONG, |e| is(e, "joined") && node_of(e) == "x");
+    let y = job.start_cmd("y", job.command("y", "2:2", "fresh-y", &train2));
+    let g = job.wait_event("generation of the fresh agents", LONG, |e| {
+        is(e, "generation") && node_of(e) == "x"
+    });
+    assert_eq!(g["world_size"], 4);
+    assert_eq!(g["resume_step"].as_u64(), Some(newest), "{g}");
+    x.wait_line(&format!("resumed from step {newest} "), LONG);
+    let (code_x, out_x, err_x) = x.finish(LONG);
+    let (code_y, _, err_y) = y.finish(LONG);
+    assert_eq!(code_x, 0, "{out_x}\n{err_x}");
+    assert_eq!(code_y, 0, "{err_y}");
+    assert!(out_x.contains(&format!("done step {steps} ")), "{out_x}");
+}
+
+fn digest(out: &str) -> String {
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("[rank 0] done step"))
+        .unwrap_or_else(|| panic!("{out}"));
+    line.rsplit(' ').next().unwrap().to_string()
+}
+
+/// Two agents train `steps` steps (from whatever the bucket holds); returns rank 0's output.
+fn two_nodes(job: &Job, steps: u32, tag: &str) -> String {
+    let started = events_now();
+    let s = steps.to_string();
+    let train = ["--steps", s.as_str(), "--seed", "3"];
+    let mut c0 = job.command("p", "2:2", &format!("st-{tag}-p"), &train);
+    let mut c1 = job.command("q", "2:2", &format!("st-{tag}-q"), &train);
+    for c in [&mut c0, &mut c1] {
+        c.env("ELASTIC_LR_SCALING", "none");
+    }
+    let p = job.start_cmd("p", c0);
+    job.wait_event("p to join", LONG, |e| {
+        is(e, "joined") && node_of(e) == "p" && e["ts_ms"].as_u64() >= Some(started)
+    });
+    let q = job.start_cmd("q", c1);
+    let (code_p, out_p, err_p) = p.finish(LONG);
+    let (code_q, _, err_q) = q.finish(LONG);
+    assert_eq!(code_p, 0, "{out_p}\n{err_p}");
+    assert_eq!(code_q, 0, "{err_q}");
+    out_p
+}
+
+#[test]
+fn restarting_at_the_same_world_size_gives_bitwise_equal_weights() {
+    let mut job = Job::new("file");
+    let straight = two_nodes(&job, 24, "s");
+    job.url = format!("file://{}", job.tmp.path().join("bucket2").display());
+    job.id = "e2e-2".into();
+    let first = two_nodes(&job, 11, "f");
+    job.id = "e2e-3".into();
+    let resumed = two_nodes(&job, 24, "r");
+    assert!(resumed.contains("resumed from step 11 "), "{resumed}");
+    assert_ne!(
+        digest(&first),
+        digest(&straight),
+        "the check must be able to fail"
+    );
+    assert_eq!(digest(&resumed), digest(&straight));
+}
+
+#[test]
+fn an_unmodified_torchrun_script_runs_on_two_nodes() {
+    let job = Job::new("file");
+    let mk = |node: &str| {
+        // The same agent flags, with the plain torchrun script as the training command.
+        let c = job.command(node, "2:2", &format!("st-{node}"), &[]);
+        let args: Vec<String> = c
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let cut = args.iter().position(|a| a == "--").unwrap();
+        let mut plain = agent(job.tmp.path());
+        plain
+            .args(&args[..=cut])
+            .arg(python())
+            .arg(repo().join("examples/torchrun_plain.py"));
+        plain
+    };
+    let p = job.start_cmd("p", mk("p"));
+    let q = job.start_cmd("q", mk("q"));
+    let (code_p, out_p, err_p) = p.finish(LONG);
+    let (code_q, out_q, err_q) = q.finish(LONG);
+    assert_eq!(code_p, 0, "{out_p}\n{err_p}");
+    assert_eq!(code_q, 0, "{out_q}\n{err_q}");
+    let all = format!("{out_p}{out_q}");
+    for r in 0..4 {
+        assert!(
+            all.contains(&format!("[rank {r}]")),
+            "rank {r} missing:\n{all}"
+        );
+    }
+}
+
+#[test]
+fn status_shows_members_generation_and_commits() {
+    let job = Job::new("file");
+    let train = ["--steps", "100000", "--step-sleep", "0.05"];
+    let a = job.start("a", "2:2", &train);
+    let b = job.start("b", "2:2", &train);
+    job.wait_event("a commit", LONG, |e| is(e, "checkpoint_committed"));
+    let out = Command::new(BIN)
+        .args([
+            "status",
+            "--rdzv-endpoint",
+            &job.etcd.host_port(),
+            "--rdzv-id",
+            &job.id,
+            "--checkpoint-url",
+            &job.url,
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["members"].as_array().unwrap().len(), 2, "{v}");
+    assert_eq!(v["generation"]["world_size"], 4, "{v}");
+    assert!(v["latest_commit"]["step"].as_u64().is_some(), "{v}");
+    assert!(
+        !v["checkpoints"]["steps"].as_array().unwrap().is_empty(),
+        "{v}"
+    );
+    let text = Command::new(BIN)
+        .args([
+            "status",
+            "--rdzv-endpoint",
+            &job.etcd.host_port(),
+            "--rdzv-id",
+            &job.id,
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout).into_owned();
+    assert!(text.contains("world 4"), "{text}");
+    for ag in [a, b] {
+        signal(&ag.child, libc::SIGTERM);
+        let (code, out, err) = ag.finish(LONG);
+        assert_eq!(code, 0, "{out}\n{err}");
+    }
+}
+
+#[test]
+fn a_crashing_worker_restarts_every_node_from_the_newest_commit() {
+    let job = Job::new("file");
+    // Rank 3 (on q) crashes once at step 8: every node restarts (one restart, counted on
+    // both) from the newest commit, at the same world size.
+    let with = |node: &str, restarts: &str| {
+        let mut c = job.command(
+            node,
+            "2:2",
+            &format!("st-{node}"),
+            &[
+                "--steps",
+                "40",
+                "--step-sleep",
+                "0.05",
+                "--crash-at",
+                "8",
+                "--crash-rank",
+                "3",
+                "--crash-restarts",
+                restarts,
+            ],
+        );
+        c.env("PET_MAX_RESTARTS", "1");
+        c
+    };
+    let p = job.start_cmd("p", with("p", "1"));
+    job.wait_event("p to join", LONG, |e| is(e, "joined") && node_of(e) == "p");
+    let q = job.start_cmd("q", with("q", "1"));
+    let (code_p, out_p, err_p) = p.finish(LONG);
+    let (code_q, out_q, err_q) = q.finish(LONG);
+    assert_eq!(code_p, 0, "{out_p}\n{err_p}");
+    assert_eq!(code_q, 0, "{out_q}\n{err_q}");
+    assert!(out_q.contains("crashing at step 8"), "{out_q}");
+    assert!(out_p.contains("done step 40 "), "{out_p}");
+    let restarted: Vec<Value> = job
+        .events()
+        .into_iter()
+        .filter(|e| is(e, "workers_started") && e["restart_count"] == 1)
+        .collect();
+    assert_eq!(restarted.len(), 2, "both nodes restart once: {restarted:?}");
+    let g = job.wait_event("the restart generation", LONG, |e| {
+        is(e, "generation") && e["generation"].as_u64() >= Some(2) && node_of(e) == "p"
+    });
+    assert_eq!(g["world_size"], 4, "{g}");
+    assert_eq!(g["resume_step"], 5, "resumes from the newest commit: {g}");
+}
+
+#[test]
+fn a_worker_crashing_past_max_restarts_fails_every_node_with_its_error() {
+    let mut job = Job::new("file");
+    job.id = "e2e-fail".into();
+    let mk = |node: &str| {
+        let mut c = job.command(
+            node,
+            "2:2",
+            &format!("st-{node}"),
+            &[
+                "--steps",
+                "40",
+                "--crash-at",
+                "3",
+                "--crash-rank",
+                "3",
+                "--crash-restarts",
+                "9",
+            ],
+        );
+        c.env("PET_MAX_RESTARTS", "1");
+        c
+    };
+    let p = job.start_cmd("p", mk("p"));
+    job.wait_event("p to join", LONG, |e| is(e, "joined") && node_of(e) == "p");
+    let q = job.start_cmd("q", mk("q"));
+    let (code_p, _, err_p) = p.finish(LONG);
+    let (code_q, _, err_q) = q.finish(LONG);
+    assert_eq!(code_q, 3, "q fails with its worker's exit code:\n{err_q}");
+    assert!(err_q.contains("exit code 3"), "{err_q}");
+    assert_ne!(code_p, 0, "the job failed for p too:\n{err_p}");
+}
