@@ -3,3 +3,5 @@
 //! and PyTorch in the worker environment.
 
 mod real_services;
+#[cfg(feature = "tch")]
+mod tch_worker;

@@ -1,0 +1,460 @@
+//! The Rust worker API: what a Rust training process under `elastic-run` uses, the same
+//! contract as the Python client (`runtime/python/elastic_run`).
+//!
+//! - [`Worker::from_env`] reads torchrun's variables and `ELASTIC_*`, and connects to the
+//!   agent's socket when there is one (it works without an agent too: no drain, no commits).
+//! - [`Worker::scaled_lr`], [`Worker::grad_accum_steps`]: the scaling decision.
+//! - [`Worker::report_progress`], [`Worker::should_stop`], [`Worker::should_checkpoint`]: the
+//!   per-step protocol.
+//! - [`Worker::save_tensors`] writes this rank's share of a snapshot into staging
+//!   (`step-N/rank-R/tensors.safetensors` + `meta.json`, the Python client's format: replicated
+//!   tensors split between ranks by bytes, so every byte is written once) and tells the agent;
+//!   [`Worker::load_tensors`] reads the step the agent restored. With the `tch` feature,
+//!   [`crate::worker_tch`] saves and loads `VarStore`s (the model, and the optimizer state kept
+//!   as a second `VarStore`).
+//!
+//! A Rust worker has no process group of its own (tch has no collectives), so `should_stop` asks
+//! the agent for each rank without an all-reduce: run one worker per node, or make the ranks
+//! agree on the stop step yourself.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use serde_json::{Value, json};
+
+/// The snapshot format version (shared with the Python client).
+pub const FORMAT_VERSION: u32 = 1;
+/// Progress reports are rate-limited: the watchdog works in seconds, not steps.
+const PROGRESS_INTERVAL_MS: u64 = 100;
+/// How long one request to the agent may take.
+const SOCKET_TIMEOUT_MS: u64 = 30_000;
+/// Largest reply line read from the agent.
+const REPLY_BYTES_MAX: usize = 64 * 1024;
+/// Largest `meta.json` / `metadata.json` read.
+const META_BYTES_MAX: u64 = 16 * 1024 * 1024;
+
+/// What went wrong, naming the file or variable.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkerError {
+    #[error("environment variable {name}={value:?}: {reason}")]
+    Env {
+        name: &'static str,
+        value: String,
+        reason: String,
+    },
+    #[error("{op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {reason}")]
+    Format { path: PathBuf, reason: String },
+    #[error("agent socket: {0}")]
+    Agent(String),
+    #[error("ELASTIC_STAGING_DIR is not set: run under elastic-run")]
+    NoStaging,
+}
+
+fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> WorkerError + 'a {
+    move |source| WorkerError::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// One tensor of a snapshot, as raw little-endian bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SnapshotTensor {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+/// A loaded snapshot.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    pub step: u64,
+    pub tensors: Vec<SnapshotTensor>,
+    /// The JSON state saved with it.
+    pub state: Value,
+}
+
+/// This worker's view of the job, and its connection to the agent.
+pub struct Worker {
+    pub rank: u32,
+    pub local_rank: u32,
+    pub world_size: u32,
+    pub generation: u64,
+    pub lr_scale: f64,
+    pub grad_accum_steps: u64,
+    pub checkpoint_interval: u64,
+    pub resume_step: Option<u64>,
+    resume_dir: Option<PathBuf>,
+    staging: Option<PathBuf>,
+    conn: Option<Conn>,
+    last_progress: Option<Instant>,
+    checkpoint_at: Option<u64>,
+}
+
+struct Conn {
+    write: UnixStream,
+    read: BufReader<UnixStream>,
+}
+
+impl Conn {
+    fn request(&mut self, req: &Value) -> Result<Value, WorkerError> {
+        let mut line = req.to_string();
+        line.push('\n');
+        self.write
+            .write_all(line.as_bytes())
+            .map_err(|e| WorkerError::Agent(format!("send: {e}")))?;
+        let mut buf = Vec::with_capacity(256);
+        let n = (&mut self.read)
+            .take(REPLY_BYTES_MAX as u64)
+            .read_until(b'\n', &mut buf)
+            .map_err(|e| WorkerError::Agent(format!("receive: {e}")))?;
+        if n == 0 || buf.last() != Some(&b'\n') {
+            return Err(WorkerError::Agent(
+                "connection closed or reply too long".into(),
+            ));
+        }
+        let v: Value = serde_json::from_slice(&buf)
+            .map_err(|e| WorkerError::Agent(format!("bad reply: {e}")))?;
+        if v["type"] == "error" {
+            return Err(WorkerError::Agent(
+                v["message"].as_str().unwrap_or("error").to_string(),
+            ));
+        }
+        Ok(v)
+    }
+}
+
+fn env_u64(name: &'static str, default: Option<u64>) -> Result<Option<u64>, WorkerError> {
+    match std::env::var(name) {
+        Ok(v) if !v.is_empty() => v.trim().parse().map(Some).map_err(|_| WorkerError::Env {
+            name,
+            value: v,
+            reason: "not a non-negative integer".into(),
+        }),
+        _ => Ok(default),
+    }
+}
+
+fn env_f64(name: &'static str, default: f64) -> Result<f64, WorkerError> {
+    match std::env::var(name) {
+        Ok(v) if !v.is_empty() => v
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|x| x.is_finite())
+            .ok_or(WorkerError::Env {
+                name,
+                value: v,
+                reason: "not a number".into(),
+            }),
+        _ => Ok(default),
+    }
+}
+
+impl Worker {
+    /// Reads the environment `elastic-run` sets; connects to the agent when it runs one.
+    pub fn from_env() -> Result<Worker, WorkerError> {
+        let u32_of = |name: &'static str, default: u64| -> Result<u32, WorkerError> {
+            let v = env_u64(name, Some(default))?.unwrap_or(default);
+            u32::try_from(v).map_err(|_| WorkerError::Env {
+                name,
+                value: v.to_string(),
+                reason: "too large".into(),
+            })
+        };
+        let rank = u32_of("RANK", 0)?;
+        let world_size = u32_of("WORLD_SIZE", 1)?.max(1);
+        if rank >= world_size {
+            return Err(WorkerError::Env {
+                name: "RANK",
+                value: rank.to_string(),
+                reason: format!("not below WORLD_SIZE {world_size}"),
+            });
+        }
+        let path = |name: &str| {
+            std::env::var_os(name)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        };
+        let conn = match path("ELASTIC_AGENT_SOCKET") {
+            Some(p) => {
+                let s = UnixStream::connect(&p).map_err(io("connect", &p))?;
+                let t = Some(Duration::from_millis(SOCKET_TIMEOUT_MS));
+                s.set_read_timeout(t).map_err(io("configure", &p))?;
+                s.set_write_timeout(t).map_err(io("configure", &p))?;
+                let read = BufReader::new(s.try_clone().map_err(io("clone", &p))?);
+                Some(Conn { write: s, read })
+            }
+            None => None,
+        };
+        Ok(Worker {
+            rank,
+            local_rank: u32_of("LOCAL_RANK", 0)?,
+            world_size,
+            generation: env_u64("ELASTIC_GENERATION", Some(0))?.unwrap_or(0),
+            lr_scale: env_f64("ELASTIC_LR_SCALE", 1.0)?,
+            grad_accum_steps: env_u64("ELASTIC_GRAD_ACCUM_STEPS", Some(1))?
+                .unwrap_or(1)
+                .max(1),
+            checkpoint_interval: env_u64("ELASTIC_CHECKPOINT_INTERVAL", Some(0))?.unwrap_or(0),
+            resume_step: env_u64("ELASTIC_RESUME_STEP", None)?,
+            resume_dir: path("ELASTIC_RESUME_DIR"),
+            staging: path("ELASTIC_STAGING_DIR"),
+            conn,
+            last_progress: None,
+            checkpoint_at: None,
+        })
+    }
+
+    /// `base` scaled for the current world size.
+    pub fn scaled_lr(&self, base: f64) -> f64 {
+        base * self.lr_scale
+    }
+
+    /// Tells the agent this rank finished `step` (rate-limited; feeds the hang watchdog).
+    pub fn report_progress(&mut self, step: u64) -> Result<(), WorkerError> {
+        let due = self
+            .last_progress
+            .is_none_or(|t| t.elapsed() >= Duration::from_millis(PROGRESS_INTERVAL_MS));
+        if let (true, Some(c)) = (due, self.conn.as_mut()) {
+            c.request(&json!({"type": "progress", "rank": self.rank, "step": step}))?;
+            self.last_progress = Some(Instant::now());
+        }
+        Ok(())
+    }
+
+    /// Whether to save `step` and exit (the agent drains). Also learns a step the agent wants
+    /// a checkpoint at, for [`Worker::should_checkpoint`].
+    pub fn should_stop(&mut self, _step: u64) -> Result<bool, WorkerError> {
+        let Some(c) = self.conn.as_mut() else {
+            return Ok(false);
+        };
+        let v = c.request(&json!({"type": "query"}))?;
+        if let Some(at) = v["should_checkpoint_at"].as_u64() {
+            self.checkpoint_at = Some(at);
+        }
+        Ok(v["should_stop"].as_bool().unwrap_or(false))
+    }
+
+    /// Whether `step` is a checkpoint step: every `--checkpoint-interval` steps, or the step
+    /// the agent asked for.
+    pub fn should_checkpoint(&mut self, step: u64) -> bool {
+        let n = self.checkpoint_interval;
+        if n > 0 && step > 0 && step.is_multiple_of(n) {
+            return true;
+        }
+        if self.checkpoint_at.is_some_and(|at| step >= at) {
+            self.checkpoint_at = None;
+            return true;
+        }
+        false
+    }
+
+    /// Writes this rank's share of `tensors` (the same replicated state on every rank) for
+    /// `step` into staging, with `state` (JSON), then tells the agent. Returns the directory.
+    pub fn save_tensors(
+        &mut self,
+        step: u64,
+        tensors: &[SnapshotTensor],
+        state: Value,
+    ) -> Result<PathBuf, WorkerError> {
+        let staging = self.staging.clone().ok_or(WorkerError::NoStaging)?;
+        let sizes: BTreeMap<String, u64> = tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.data.len() as u64))
+            .collect();
+        let owner = assign_keys(&sizes, self.world_size);
+        let mine: Vec<&SnapshotTensor> = tensors
+            .iter()
+            .filter(|t| owner.get(&t.name) == Some(&self.rank))
+            .collect();
+        let step_dir = staging.join(format!("step-{step}"));
+        let fin = step_dir.join(format!("rank-{}", self.rank));
+        let tmp = step_dir.join(format!(".rank-{}.tmp-{}", self.rank, std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).map_err(io("create", &tmp))?;
+        let views = mine
+            .iter()
+            .map(|t| {
+                TensorView::new(t.dtype, t.shape.clone(), &t.data)
+                    .map(|v| (t.name.clone(), v))
+                    .map_err(|e| WorkerError::Format {
+                        path: tmp.clone(),
+                        reason: format!("tensor {}: {e}", t.name),
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let tpath = tmp.join("tensors.safetensors");
+        let info: HashMap<String, String> = [
+            ("step".to_string(), step.to_string()),
+            ("rank".to_string(), self.rank.to_string()),
+        ]
+        .into();
+        safetensors::serialize_to_file(views, Some(info), &tpath).map_err(|e| {
+            WorkerError::Format {
+                path: tpath.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+        let mut keys: Vec<&str> = mine.iter().map(|t| t.name.as_str()).collect();
+        keys.sort_unstable();
+        let meta = json!({
+            "format_version": FORMAT_VERSION, "step": step, "rank": self.rank,
+            "world_size": self.world_size, "keys": keys, "state": state,
+        });
+        let mpath = tmp.join("meta.json");
+        std::fs::write(&mpath, meta.to_string()).map_err(io("write", &mpath))?;
+        for p in [&tpath, &mpath] {
+            std::fs::File::open(p)
+                .and_then(|f| f.sync_all())
+                .map_err(io("fsync", p))?;
+        }
+        sync_dir(&tmp)?;
+        let _ = std::fs::remove_dir_all(&fin);
+        std::fs::rename(&tmp, &fin).map_err(io("rename", &tmp))?;
+        sync_dir(&step_dir)?;
+        if let Some(c) = self.conn.as_mut() {
+            let dir = fin.to_string_lossy().into_owned();
+            c.request(&json!({"type": "saved", "rank": self.rank, "step": step, "dir": dir}))?;
+        }
+        Ok(fin)
+    }
+
+    /// The step the agent restored for this rank (`$ELASTIC_RESUME_DIR/rank-$RANK/`), or
+    /// `None` when the job starts fresh.
+    pub fn load_tensors(&self) -> Result<Option<Loaded>, WorkerError> {
+        let Some(dir) = &self.resume_dir else {
+            return Ok(None);
+        };
+        let mine = dir.join(format!("rank-{}", self.rank));
+        let meta_path = mine.join("metadata.json");
+        let meta = read_json(&meta_path)?;
+        let step = meta["step"].as_u64().ok_or_else(|| WorkerError::Format {
+            path: meta_path.clone(),
+            reason: "no step".into(),
+        })?;
+        let state = meta["metadata"]["state"].clone();
+        let tpath = mine.join("state.safetensors");
+        let bytes = std::fs::read(&tpath).map_err(io("read", &tpath))?;
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| WorkerError::Format {
+            path: tpath.clone(),
+            reason: e.to_string(),
+        })?;
+        let tensors = st
+            .tensors()
+            .into_iter()
+            .map(|(name, v)| SnapshotTensor {
+                name,
+                dtype: v.dtype(),
+                shape: v.shape().to_vec(),
+                data: v.data().to_vec(),
+            })
+            .collect();
+        Ok(Some(Loaded {
+            step,
+            tensors,
+            state,
+        }))
+    }
+}
+
+fn read_json(path: &Path) -> Result<Value, WorkerError> {
+    let len = std::fs::metadata(path).map_err(io("stat", path))?.len();
+    if len > META_BYTES_MAX {
+        return Err(WorkerError::Format {
+            path: path.to_path_buf(),
+            reason: format!("larger than {META_BYTES_MAX} bytes"),
+        });
+    }
+    let bytes = std::fs::read(path).map_err(io("read", path))?;
+    serde_json::from_slice(&bytes).map_err(|e| WorkerError::Format {
+        path: path.to_path_buf(),
+        reason: format!("not JSON: {e}"),
+    })
+}
+
+fn sync_dir(dir: &Path) -> Result<(), WorkerError> {
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(io("fsync", dir))
+}
+
+/// Splits tensors between `world` ranks by bytes: largest first, each to the rank with the
+/// fewest bytes so far (ties to the lower rank, then by name). Deterministic, and the same
+/// split as the Python client's `assign_keys`.
+pub fn assign_keys(sizes: &BTreeMap<String, u64>, world: u32) -> BTreeMap<String, u32> {
+    let world = world.max(1) as usize;
+    let mut load = vec![0u64; world];
+    let mut order: Vec<(&String, u64)> = sizes.iter().map(|(k, v)| (k, *v)).collect();
+    order.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(b.0)));
+    let mut out = BTreeMap::new();
+    for (k, size) in order {
+        let r = (0..world)
+            .min_by_key(|i| (load[*i], *i))
+            .expect("world >= 1");
+        out.insert(k.clone(), r as u32);
+        load[r] += size;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_split_by_bytes_like_the_python_client() {
+        let sizes: BTreeMap<String, u64> = [("a", 100), ("b", 60), ("c", 50), ("d", 10)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        let owner = assign_keys(&sizes, 2);
+        // a -> 0 (0 bytes), b -> 1, c -> 1 (60 < 100), d -> 0 (100 < 110).
+        assert_eq!(owner["a"], 0);
+        assert_eq!(owner["b"], 1);
+        assert_eq!(owner["c"], 1);
+        assert_eq!(owner["d"], 0);
+        assert!(assign_keys(&sizes, 1).values().all(|r| *r == 0));
+    }
+
+    #[test]
+    fn should_checkpoint_follows_the_interval() {
+        let mut w = Worker {
+            rank: 0,
+            local_rank: 0,
+            world_size: 1,
+            generation: 0,
+            lr_scale: 2.0,
+            grad_accum_steps: 1,
+            checkpoint_interval: 5,
+            resume_step: None,
+            resume_dir: None,
+            staging: None,
+            conn: None,
+            last_progress: None,
+            checkpoint_at: Some(7),
+        };
+        assert!(w.should_checkpoint(5));
+        assert!(!w.should_checkpoint(6));
+        assert!(w.should_checkpoint(7), "the agent's requested step");
+        assert!(!w.should_checkpoint(8));
+        assert_eq!(w.scaled_lr(0.5), 1.0);
+        assert!(matches!(
+            w.save_tensors(1, &[], json!({})),
+            Err(WorkerError::NoStaging)
+        ));
+    }
+}
