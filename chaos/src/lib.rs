@@ -1,1 +1,25 @@
-//! Fault injection, scenarios, invariant checks and reports.
+//! `elastic-chaos`: breaks an elastic-run job on purpose and checks, by invariants, that
+//! training survives correctly.
+//!
+//! # Layout
+//!
+//! - [`scenario`]: the TOML scenario format and the seeded fault schedule (the same seed
+//!   replays the same schedule).
+//! - [`proxy`]: a TCP fault proxy (per-node etcd partitions and black holes; object-store
+//!   outages, slowness and 503s).
+//! - [`harness`]: runs a scenario: etcd, moto, proxies, N `elastic-run` agents as simulated
+//!   nodes on loopback, the faults, then the checks and the report.
+//! - [`invariants`]: the checks, pure functions of the events, faults and end state.
+//! - [`watch`]: watches the checkpoint store during a run (the newest commit never goes back,
+//!   nothing visible as committed is partial).
+//! - [`report`]: the JSON report and the SVG timeline.
+//! - `src/main.rs`: `elastic-chaos run SCENARIO` and `elastic-chaos soak --minutes N`.
+//! - `scenarios/`: the CI campaign (SIGKILL, preemption, partition, store outage);
+//!   `tests/campaign.rs` runs it.
+
+pub mod harness;
+pub mod invariants;
+pub mod proxy;
+pub mod report;
+pub mod scenario;
+pub mod watch;

@@ -1,0 +1,539 @@
+//! The invariants checked after every run, as pure functions of what the run left behind:
+//! the agents' event log, the faults fired, the checkpoint store's state, the workers'
+//! output and the process table.
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::scenario::{Expect, Fault, FaultKind, Scenario};
+
+/// A fault as it happened.
+#[derive(Debug, Clone, Serialize)]
+pub struct Fired {
+    pub fault: Fault,
+    /// Unix ms when it was injected.
+    pub at_unix_ms: u64,
+    /// Why it could not be injected (no worker left to signal, no way to fill the staging
+    /// filesystem...); such a fault is reported but not judged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
+}
+
+/// What a run left behind.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Outcome {
+    /// The highest `done step N` printed by rank 0, and its weights digest.
+    pub done_step: Option<u64>,
+    pub digest: Option<String>,
+    /// `(node, exit code)` of every agent; `None` for one killed on purpose.
+    pub exits: Vec<(String, Option<i32>)>,
+    pub timed_out: bool,
+    /// Committed steps in the store at the end.
+    pub committed: Vec<u64>,
+    /// `(step, reason)` of committed steps that failed to verify or restore.
+    pub bad_steps: Vec<(u64, String)>,
+    /// Processes of this run still alive at the end.
+    pub leftovers: Vec<String>,
+    pub reference_digest: Option<String>,
+    /// What the store watcher saw during the run.
+    pub live: crate::watch::WatchReport,
+    /// `(node, message)`: the last `elastic-run: ...` error line of each agent that printed one.
+    pub failure_messages: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    pub name: &'static str,
+    pub ok: bool,
+    pub detail: String,
+}
+
+/// Per-fault figures for the report.
+#[derive(Debug, Clone, Serialize)]
+pub struct FaultEffect {
+    pub kind: FaultKind,
+    pub node: usize,
+    pub at_unix_ms: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
+    /// First reaction of the job (a drain, a fence, a failure or a new generation), ms after.
+    pub detection_ms: Option<u64>,
+    /// The first training step of the next generation, ms after.
+    pub recovery_ms: Option<u64>,
+    /// The generation formed after it, its resume step, and the steps redone.
+    pub next_generation: Option<u64>,
+    pub resume_step: Option<u64>,
+    pub lost_steps: Option<u64>,
+}
+
+fn ev<'a>(events: &'a [Value], name: &'a str) -> impl Iterator<Item = &'a Value> + 'a {
+    events.iter().filter(move |e| e["event"] == name)
+}
+
+fn ts(e: &Value) -> u64 {
+    e["ts_ms"].as_u64().unwrap_or(0)
+}
+
+/// The generation current at `t` (the newest generation event before it).
+fn generation_at(events: &[Value], t: u64) -> u64 {
+    ev(events, "generation")
+        .filter(|e| ts(e) <= t)
+        .filter_map(|e| e["generation"].as_u64())
+        .max()
+        .unwrap_or(0)
+}
+
+pub fn effects(events: &[Value], fired: &[Fired]) -> Vec<FaultEffect> {
+    fired
+        .iter()
+        .map(|f| {
+            let t = f.at_unix_ms;
+            let g0 = generation_at(events, t);
+            let detection_ms = events
+                .iter()
+                .filter(|e| ts(e) >= t)
+                .filter(|e| {
+                    matches!(
+                        e["event"].as_str(),
+                        Some("drain_started" | "fenced" | "worker_failed")
+                    ) || (e["event"] == "generation" && e["generation"].as_u64() > Some(g0))
+                })
+                .map(|e| ts(e) - t)
+                .min();
+            let next = ev(events, "generation")
+                .filter(|e| ts(e) >= t && e["generation"].as_u64() > Some(g0))
+                .filter_map(|e| e["generation"].as_u64())
+                .min();
+            let (resume_step, lost_steps, recovery_ms) = match next {
+                Some(g) => {
+                    let gens: Vec<&Value> = ev(events, "generation")
+                        .filter(|e| e["generation"].as_u64() == Some(g))
+                        .collect();
+                    let resume = gens.iter().find_map(|e| e["resume_step"].as_u64());
+                    let reached = gens
+                        .iter()
+                        .filter_map(|e| e["prev_last_step"].as_u64())
+                        .max();
+                    let lost = reached.map(|r| r.saturating_sub(resume.unwrap_or(0)));
+                    // Training again: the first step of that generation or of any later one
+                    // (a generation can be superseded before it trains, as when a partitioned
+                    // node comes back at once).
+                    let rec = ev(events, "first_step")
+                        .filter(|e| ts(e) >= t && e["generation"].as_u64() >= Some(g))
+                        .map(|e| ts(e) - t)
+                        .min();
+                    (resume, lost, rec)
+                }
+                None => (None, None, None),
+            };
+            FaultEffect {
+                kind: f.fault.kind,
+                node: f.fault.node,
+                at_unix_ms: t,
+                skipped: f.skipped.clone(),
+                detection_ms,
+                recovery_ms,
+                next_generation: next,
+                resume_step,
+                lost_steps,
+            }
+        })
+        .collect()
+}
+
+/// The expected scaling of a world size under the scenario's policy.
+fn expected_scaling(s: &Scenario, world: u64) -> Option<elastic::ScalingDecision> {
+    let mode = s.lr_scaling.parse().ok()?;
+    let cfg = elastic::ScalingConfig {
+        mode,
+        per_worker_batch: s.batch_size,
+        base_world_size: u64::from(s.base_world()),
+        base_lr: 0.05,
+        global_batch: s.global_batch,
+        on_indivisible: elastic::OnIndivisible::Nearest,
+        warmup_steps: None,
+    };
+    cfg.decide(world, None).ok()
+}
+
+pub fn check(s: &Scenario, events: &[Value], fired: &[Fired], o: &Outcome) -> Vec<Check> {
+    let mut out = Vec::new();
+    let mut add =
+        |name: &'static str, ok: bool, detail: String| out.push(Check { name, ok, detail });
+
+    // 1. The job reaches its target (or fails clearly when it must).
+    match s.expect {
+        Expect::Complete => add(
+            "target_reached",
+            !o.timed_out && o.done_step == Some(s.steps),
+            format!(
+                "done step {:?} of {}, timed out: {}, exits {:?}",
+                o.done_step, s.steps, o.timed_out, o.exits
+            ),
+        ),
+        Expect::Fail => {
+            // Failed, in time, and every agent that failed said why (`elastic-run: ...`).
+            let failed: Vec<&String> = o
+                .exits
+                .iter()
+                .filter(|(_, c)| matches!(c, Some(c) if *c != 0))
+                .map(|(n, _)| n)
+                .collect();
+            let unexplained: Vec<&&String> = failed
+                .iter()
+                .filter(|n| !o.failure_messages.iter().any(|(m, _)| m == **n))
+                .collect();
+            add(
+                "fails_clearly",
+                !o.timed_out && !failed.is_empty() && unexplained.is_empty(),
+                format!(
+                    "exits {:?}, timed out: {}, messages {:?}{}",
+                    o.exits,
+                    o.timed_out,
+                    o.failure_messages,
+                    if unexplained.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", no error message from {unexplained:?}")
+                    }
+                ),
+            )
+        }
+    }
+
+    // 2. Every committed step verifies and restores.
+    add(
+        "committed_steps_verify",
+        o.bad_steps.is_empty() && !o.committed.is_empty(),
+        if o.bad_steps.is_empty() {
+            format!(
+                "{} committed steps verified: {:?}",
+                o.committed.len(),
+                o.committed
+            )
+        } else {
+            format!("bad: {:?}", o.bad_steps)
+        },
+    );
+
+    // 3. No committed step lost: each one seen committed is still there, unless retention
+    //    (the newest 3 are kept) removed it for a newer one.
+    let newest_kept = o.committed.iter().rev().nth(2).copied().unwrap_or(0);
+    let lost: Vec<u64> = ev(events, "checkpoint_committed")
+        .filter_map(|e| e["step"].as_u64())
+        .filter(|st| !o.committed.contains(st) && *st >= newest_kept)
+        .collect();
+    add(
+        "no_committed_step_lost",
+        lost.is_empty(),
+        if lost.is_empty() {
+            "every step reported committed is in the store or was retired by retention".into()
+        } else {
+            format!("committed but missing: {lost:?}")
+        },
+    );
+
+    // 4. Lost work per fault.
+    let mut bad = Vec::new();
+    for e in effects(events, fired) {
+        if e.skipped.is_some() {
+            continue;
+        }
+        let bound = match e.kind {
+            k if k.is_preemption() => Some(0),
+            FaultKind::SigkillAgent
+            | FaultKind::SigkillWorker
+            | FaultKind::Partition
+            | FaultKind::Blackhole => Some(s.checkpoint_interval),
+            FaultKind::SigstopWorker => Some(s.checkpoint_interval),
+            _ => None,
+        };
+        if let (Some(b), Some(l)) = (bound, e.lost_steps)
+            && l > b
+        {
+            bad.push(format!("{:?} on node {}: lost {l} > {b}", e.kind, e.node));
+        }
+    }
+    add(
+        "lost_work_bounded",
+        bad.is_empty(),
+        if bad.is_empty() {
+            "0 for preemptions, at most the checkpoint interval otherwise".into()
+        } else {
+            bad.join("; ")
+        },
+    );
+
+    // 4b. Every fault aimed at a node hit it while it trained (else the scenario proves
+    //     nothing): the job reacted with a drain, a fence, a failure or a new generation.
+    //     Random scenarios (`soak`) may miss (a worker kill while workers restart, a full
+    //     staging while nobody saves): there the misses are listed, not judged.
+    let missed: Vec<String> = effects(events, fired)
+        .iter()
+        .filter(|e| {
+            // Store faults and etcd restarts need no reaction (agents ride them out).
+            !(matches!(e.kind, FaultKind::Join | FaultKind::EtcdRestart) || e.kind.needs_s3())
+                && e.detection_ms.is_none()
+        })
+        .map(|e| match &e.skipped {
+            Some(why) => format!("{:?} on node {} (skipped: {why})", e.kind, e.node),
+            None => format!("{:?} on node {}", e.kind, e.node),
+        })
+        .collect();
+    add(
+        "faults_took_effect",
+        missed.is_empty() || !s.require_fault_effect,
+        if missed.is_empty() {
+            format!("{} fault(s) injected", fired.len())
+        } else {
+            format!("no reaction to: {}", missed.join(", "))
+        },
+    );
+
+    // 5. Every generation follows the scaling policy.
+    let mut bad = Vec::new();
+    for g in ev(events, "generation") {
+        let world = g["world_size"].as_u64().unwrap_or(0);
+        let Some(want) = expected_scaling(s, world) else {
+            bad.push(format!("no decision for world {world}"));
+            continue;
+        };
+        let scale = g["lr_scale"].as_f64().unwrap_or(f64::NAN);
+        let accum = g["grad_accum_steps"].as_u64().unwrap_or(0);
+        let global = g["global_batch"].as_u64();
+        if (scale - want.lr_scale).abs() > 1e-9
+            || accum != want.grad_accum_steps
+            || global != Some(want.global_batch)
+        {
+            bad.push(format!(
+                "generation {} world {world}: lr x{scale} accum {accum} global {global:?}, expected lr x{} accum {} global {}",
+                g["generation"], want.lr_scale, want.grad_accum_steps, want.global_batch
+            ));
+        }
+    }
+    add(
+        "scaling_policy",
+        bad.is_empty(),
+        if bad.is_empty() {
+            format!(
+                "{} generation records follow `{}`",
+                ev(events, "generation").count(),
+                s.lr_scaling
+            )
+        } else {
+            bad.join("; ")
+        },
+    );
+
+    // 6. Bitwise equal to a fault-free reference.
+    if s.compare_reference {
+        add(
+            "matches_reference",
+            o.digest.is_some() && o.digest == o.reference_digest,
+            format!("digest {:?}, reference {:?}", o.digest, o.reference_digest),
+        );
+    }
+
+    // 7. While the run went on, the newest committed step never went back, no committed step
+    //    vanished that retention would have kept, and every step visible as committed
+    //    verified.
+    let live = &o.live;
+    add(
+        "newest_commit_never_regresses",
+        live.regressions.is_empty(),
+        if live.regressions.is_empty() {
+            format!(
+                "{} listings, steps seen committed: {:?}",
+                live.samples, live.seen
+            )
+        } else {
+            live.regressions.join("; ")
+        },
+    );
+    add(
+        "visible_commits_complete",
+        live.partial.is_empty(),
+        if live.partial.is_empty() {
+            format!(
+                "{} of {} steps verified while committed (the rest were retired first){}",
+                live.verified.len(),
+                live.seen.len(),
+                if live.errors.is_empty() {
+                    String::new()
+                } else {
+                    format!("; watcher errors: {:?}", live.errors)
+                }
+            )
+        } else {
+            live.partial.join("; ")
+        },
+    );
+
+    // 8. Nothing left running.
+    add(
+        "no_process_left",
+        o.leftovers.is_empty(),
+        if o.leftovers.is_empty() {
+            "no agent or worker of the run is alive".into()
+        } else {
+            format!("alive: {:?}", o.leftovers)
+        },
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn scenario() -> Scenario {
+        Scenario::parse(
+            "name='t'\nnodes=3\nmin_nodes=2\nmax_nodes=3\nsteps=50\ncheckpoint_interval=5\nbatch_size=8",
+            "t",
+        )
+        .unwrap()
+    }
+
+    fn generation(
+        t: u64,
+        node: &str,
+        g: u64,
+        world: u64,
+        resume: Option<u64>,
+        prev: Option<u64>,
+    ) -> Value {
+        let scale = world as f64 / 3.0;
+        json!({"ts_ms": t, "node": node, "event": "generation", "generation": g, "world_size": world,
+               "lr_scale": scale, "grad_accum_steps": 1, "global_batch": 8 * world,
+               "resume_step": resume, "prev_last_step": prev})
+    }
+
+    fn events() -> Vec<Value> {
+        vec![
+            generation(1000, "a", 1, 3, None, None),
+            json!({"ts_ms": 2000, "node": "a", "event": "first_step", "generation": 1, "step": 1}),
+            json!({"ts_ms": 3000, "node": "a", "event": "checkpoint_committed", "step": 10, "generation": 1}),
+            json!({"ts_ms": 4000, "node": "b", "event": "worker_failed", "generation": 1}),
+            generation(6000, "a", 2, 2, Some(10), Some(13)),
+            json!({"ts_ms": 9000, "node": "a", "event": "first_step", "generation": 2, "step": 11}),
+        ]
+    }
+
+    fn outcome() -> Outcome {
+        Outcome {
+            done_step: Some(50),
+            committed: vec![10, 45, 50],
+            exits: vec![("a".into(), Some(0))],
+            ..Default::default()
+        }
+    }
+
+    fn fired(kind: FaultKind) -> Vec<Fired> {
+        vec![Fired {
+            fault: Fault {
+                at_ms: 0,
+                kind,
+                node: 2,
+                duration_ms: 0,
+                delay_ms: 0,
+            },
+            at_unix_ms: 3500,
+            skipped: None,
+        }]
+    }
+
+    #[test]
+    fn a_clean_run_passes_every_check() {
+        let c = check(
+            &scenario(),
+            &events(),
+            &fired(FaultKind::SigkillAgent),
+            &outcome(),
+        );
+        assert!(c.iter().all(|c| c.ok), "{c:#?}");
+        let e = effects(&events(), &fired(FaultKind::SigkillAgent));
+        assert_eq!(e[0].detection_ms, Some(500));
+        assert_eq!(e[0].recovery_ms, Some(5500));
+        assert_eq!(e[0].lost_steps, Some(3));
+    }
+
+    #[test]
+    fn an_expected_failure_must_be_clean_and_explained() {
+        let mut s = scenario();
+        s.expect = Expect::Fail;
+        let mut o = outcome();
+        o.exits = vec![("a".into(), Some(1)), ("b".into(), None)];
+        let verdict = |o: &Outcome| {
+            check(&s, &events(), &[], o)
+                .into_iter()
+                .find(|c| c.name == "fails_clearly")
+                .unwrap()
+        };
+        assert!(!verdict(&o).ok, "no message");
+        o.failure_messages = vec![("a".into(), "elastic-run: below min".into())];
+        assert!(verdict(&o).ok);
+        o.timed_out = true;
+        assert!(!verdict(&o).ok, "a hang is no clean failure");
+        o.timed_out = false;
+        o.exits = vec![("a".into(), Some(0))];
+        assert!(!verdict(&o).ok, "it did not fail");
+    }
+
+    #[test]
+    fn each_violation_is_caught() {
+        let s = scenario();
+        let failed = |c: Vec<Check>| {
+            c.into_iter()
+                .filter(|c| !c.ok)
+                .map(|c| c.name)
+                .collect::<Vec<_>>()
+        };
+        // A preemption must lose nothing.
+        assert_eq!(
+            failed(check(
+                &s,
+                &events(),
+                &fired(FaultKind::SigtermAgent),
+                &outcome()
+            )),
+            ["lost_work_bounded"]
+        );
+        // A committed step vanished.
+        let mut o = outcome();
+        o.committed = vec![45, 50, 55, 60];
+        o.committed.retain(|s| *s != 55);
+        let mut evs = events();
+        evs.push(json!({"ts_ms": 9500, "node": "a", "event": "checkpoint_committed", "step": 55}));
+        assert_eq!(failed(check(&s, &evs, &[], &o)), ["no_committed_step_lost"]);
+        // The wrong LR.
+        let mut evs = events();
+        evs[4]["lr_scale"] = json!(1.0);
+        assert_eq!(failed(check(&s, &evs, &[], &outcome())), ["scaling_policy"]);
+        // What the store watcher saw during the run.
+        let mut o = outcome();
+        o.live.regressions = vec!["newest went from 10 to 5".into()];
+        o.live.partial = vec!["step 15 was visible as committed but crc".into()];
+        assert_eq!(
+            failed(check(&s, &events(), &[], &o)),
+            ["newest_commit_never_regresses", "visible_commits_complete"]
+        );
+        // A skipped fault is not judged.
+        let mut skipped = fired(FaultKind::SigtermAgent);
+        skipped[0].skipped = Some("no agent".into());
+        assert!(failed(check(&s, &events(), &skipped, &outcome())).is_empty());
+        // Unfinished, corrupt, leftovers.
+        let mut o = outcome();
+        o.done_step = Some(40);
+        o.bad_steps = vec![(50, "crc".into())];
+        o.leftovers = vec!["pid 1".into()];
+        assert_eq!(
+            failed(check(&s, &events(), &[], &o)),
+            [
+                "target_reached",
+                "committed_steps_verify",
+                "no_process_left"
+            ]
+        );
+    }
+}
