@@ -1,0 +1,500 @@
+"""Checkpoint benchmarks, torch side: one child process per state size, run by bench/suite.py.
+
+    python bench/ckpt_bench.py stall|durable|restore --size-gib G --reps N [--warmup 1] \
+        [--staging-dir /dev/shm] [--disk-dir /tmp] [--s3]
+
+Prints one JSON object per measurement on stdout (progress on stderr). Methods alternate within
+every repetition (the order rotates by one each time) and every one gets the same state object.
+
+The state: L x nn.Linear(2048, 2048) (fp32) and its Adam state after one step with random
+gradients, i.e. model + exp_avg + exp_avg_sq = 3 x the parameters; L is chosen so the total is
+--size-gib. Rust tools come from $ELASTIC_CKPT and $BENCH_STORE (bench/build.sh).
+"""
+import argparse
+import gc
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+sys.path.insert(0, os.path.join(common.REPO, "runtime", "python"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+import elastic_run as er  # noqa: E402
+
+HIDDEN = 2048
+LAYER_BYTES = (HIDDEN * HIDDEN + HIDDEN) * 4
+BUCKET = "bench"
+
+
+def emit(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+def make_state(size_gib, seed=0):
+    layers = max(1, round(size_gib * 2**30 / (3 * LAYER_BYTES)))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p).mul_(1e-3)
+    opt.step()
+    for p in model.parameters():
+        p.grad = None
+    nbytes = sum(t.numel() * t.element_size() for t in tensors_of(model, opt))
+    return model, opt, layers, nbytes
+
+
+def tensors_of(model, opt):
+    """Every tensor of the state, in a fixed order (optimizer state by parameter index and name:
+    a load may rebuild the optimizer's dicts in another order). References, not copies."""
+    out = [p.data for p in model.parameters()]
+    st = opt.state_dict()["state"]
+    for idx in sorted(st):
+        out.extend(st[idx][k] for k in sorted(st[idx]) if isinstance(st[idx][k], torch.Tensor))
+    return out
+
+
+def digest(model, opt):
+    """A cheap fingerprint of the whole state: one strided sample of every tensor."""
+    return [float(t.reshape(-1)[:: max(1, t.numel() // 4096)].double().sum()) for t in tensors_of(model, opt)]
+
+
+def wipe(model, opt):
+    with torch.no_grad():
+        for t in tensors_of(model, opt):
+            t.zero_()
+
+
+def state_dict(model, opt):
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def init_gloo():
+    # DCP's async_save needs a process group; every DCP call here then runs under it (world 1).
+    if not dist.is_initialized():
+        port = common.free_port()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def rm(path):
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.unlink(path)
+
+
+def fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def er_env(staging, rank=0, world=1):
+    os.environ.pop("ELASTIC_AGENT_SOCKET", None)
+    os.environ["ELASTIC_STAGING_DIR"] = staging
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world)
+
+
+def er_save(model, opt, staging, step, rank=0, world=1):
+    er_env(staging, rank, world)
+    t = time.perf_counter()
+    er.save(step, model=model, optimizer=opt)
+    return time.perf_counter() - t
+
+
+def wait_async(resp):
+    if hasattr(resp, "upload_completion"):  # AsyncSaveResponse (with an async stager)
+        resp.upload_completion.result()
+    else:
+        resp.result()
+
+
+def run_tool(argv, env=None):
+    """Runs a tool; returns its wall time and its last JSON line, with the CPU seconds (user +
+    system) it used added as `cpu_s`."""
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    p = subprocess.run(argv, capture_output=True, text=True, env=env)
+    dt = time.perf_counter() - t
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({p.returncode}): {p.stderr[-2000:]}")
+    js = common.json_lines(p.stdout)
+    out = dict(js[-1]) if js else {}
+    out["cpu_s"] = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return dt, out
+
+
+def tool(name):
+    p = os.environ.get(name)
+    if not p or not os.path.exists(p):
+        raise SystemExit(f"${name} is not set to a built binary: run bench/build.sh")
+    return p
+
+
+def s3_env(svc):
+    env = dict(os.environ)
+    env.update(svc.env)
+    return env
+
+
+def s3_clear(svc, prefix):
+    """Deletes every object under prefix (keeps moto's memory flat between repetitions)."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=svc.env["AWS_ENDPOINT"], aws_access_key_id="testing",
+                      aws_secret_access_key="testing", region_name="us-east-1")
+    token = None
+    while True:
+        kw = {"Bucket": BUCKET, "Prefix": prefix}
+        if token:
+            kw["ContinuationToken"] = token
+        r = s3.list_objects_v2(**kw)
+        keys = [{"Key": o["Key"]} for o in r.get("Contents", [])]
+        if keys:
+            s3.delete_objects(Bucket=BUCKET, Delete={"Objects": keys})
+        if not r.get("IsTruncated"):
+            break
+        token = r["NextContinuationToken"]
+
+
+# --- stall ------------------------------------------------------------------------------------
+
+
+def bench_stall(a, model, opt, base):
+    init_gloo()
+    seq = [0]
+
+    def out(name):
+        seq[0] += 1
+        return os.path.join(base, f"{name}-{seq[0]}")
+
+    def m_er():
+        d = out("er")
+        return {"stall_s": er_save(model, opt, d, seq[0]), "_rm": d}
+
+    def m_dcp():
+        d = out("dcp")
+        t = time.perf_counter()
+        dcp.save(state_dict(model, opt), checkpoint_id=d)
+        return {"stall_s": time.perf_counter() - t, "_rm": d}
+
+    def m_dcp_async():
+        d = out("dcpa")
+        t = time.perf_counter()
+        resp = dcp.async_save(state_dict(model, opt), checkpoint_id=d)
+        blocked = time.perf_counter() - t
+        wait_async(resp)
+        return {"stall_s": blocked, "done_s": time.perf_counter() - t, "_rm": d}
+
+    def m_torch():
+        f = out("ts") + ".pt"
+        t = time.perf_counter()
+        torch.save(state_dict(model, opt), f)
+        return {"stall_s": time.perf_counter() - t, "_rm": f}
+
+    methods = [("elastic_run.save", m_er), ("dcp.save", m_dcp), ("dcp.async_save", m_dcp_async),
+               ("torch.save", m_torch)]
+    return methods
+
+
+# --- durable ----------------------------------------------------------------------------------
+
+
+def bench_durable(a, model, opt, base, disk, moto):
+    init_gloo()
+    ckpt, store = tool("ELASTIC_CKPT"), tool("BENCH_STORE")
+    # The bytes the raw baseline uploads: one staged snapshot, as the agent would upload it.
+    ref = os.path.join(base, "ref")
+    er_save(model, opt, ref, 0)
+    ref_file = os.path.join(ref, "step-0", "rank-0", "tensors.safetensors")
+    seq = [0]
+
+    def nxt():
+        seq[0] += 1
+        return seq[0]
+
+    def m_er(url_of, env=None, compress=True, cleanup=None):
+        def run():
+            n = nxt()
+            staging = os.path.join(base, f"er-{n}")
+            stall = er_save(model, opt, staging, n)
+            url = url_of(n)
+            argv = [ckpt, "--json", "--concurrency", "4", "push", os.path.join(staging, f"step-{n}"), url,
+                    "--step", str(n)]
+            if not compress:
+                argv.append("--no-compress")
+            push, js = run_tool(argv, env)
+            rm(staging)
+            if cleanup:
+                cleanup(n)
+            return {"durable_s": stall + push, "stall_s": stall, "upload_s": push, "uploader_cpu_s": js["cpu_s"],
+                    "stored_bytes": js.get("stored_bytes"), "raw_bytes": js.get("raw_bytes")}
+        return run
+
+    def m_raw(url_of, env=None, cleanup=None):
+        def run():
+            n = nxt()
+            dt, js = run_tool([store, "raw-put", url_of(n), ref_file], env)
+            if cleanup:
+                cleanup(n)
+            return {"durable_s": js["seconds"], "process_s": dt, "uploader_cpu_s": js["cpu_s"],
+                    "stored_bytes": js["bytes"]}
+        return run
+
+    def m_dcp():
+        n = nxt()
+        d = os.path.join(disk, f"dcp-{n}")
+        t = time.perf_counter()
+        dcp.save(state_dict(model, opt), checkpoint_id=d)
+        dt = time.perf_counter() - t
+        rm(d)
+        return {"durable_s": dt, "stall_s": dt}
+
+    def m_dcp_async():
+        n = nxt()
+        d = os.path.join(disk, f"dcpa-{n}")
+        t = time.perf_counter()
+        resp = dcp.async_save(state_dict(model, opt), checkpoint_id=d)
+        blocked = time.perf_counter() - t
+        wait_async(resp)
+        dt = time.perf_counter() - t
+        rm(d)
+        return {"durable_s": dt, "stall_s": blocked}
+
+    def m_torch():
+        n = nxt()
+        f = os.path.join(disk, f"ts-{n}.pt")
+        t = time.perf_counter()
+        torch.save(state_dict(model, opt), f)
+        fsync_path(f)
+        dt = time.perf_counter() - t
+        rm(f)
+        return {"durable_s": dt, "stall_s": dt}
+
+    def file_url(kind):
+        return lambda n: f"file://{disk}/{kind}-{n}"
+
+    def file_rm(kind):
+        return lambda n: rm(os.path.join(disk, f"{kind}-{n}"))
+
+    methods = [
+        ("elastic_run.save + checkpoint push (file)", m_er(file_url("er"), cleanup=file_rm("er"))),
+        ("same, uncompressed (file)", m_er(file_url("eru"), compress=False, cleanup=file_rm("eru"))),
+        ("raw object_store put (file)", m_raw(file_url("raw"), cleanup=file_rm("raw"))),
+        ("dcp.save (file)", m_dcp),
+        ("dcp.async_save, until done (file)", m_dcp_async),
+        ("torch.save + fsync (file)", m_torch),
+    ]
+    if moto is not None:
+        env = s3_env(moto)
+        methods += [
+            ("elastic_run.save + checkpoint push (s3)",
+             m_er(lambda n: f"s3://{BUCKET}/er-{n}", env, cleanup=lambda n: s3_clear(moto, f"er-{n}/"))),
+            ("raw object_store put (s3)",
+             m_raw(lambda n: f"s3://{BUCKET}/raw-{n}", env, cleanup=lambda n: s3_clear(moto, f"raw-{n}/"))),
+        ]
+    return methods, ref
+
+
+# --- restore ----------------------------------------------------------------------------------
+
+
+def bench_restore(a, model, opt, base, disk, moto):
+    init_gloo()
+    ckpt, store = tool("ELASTIC_CKPT"), tool("BENCH_STORE")
+    want = digest(model, opt)
+    # Setup, untimed: step 1 saved by a world of 2 (each rank writes half), committed as the
+    # agent would (world size 2, the trainer's JSON state in the manifest); the same state
+    # through dcp.save and torch.save.
+    staging = os.path.join(base, "saved")
+    for r in (0, 1):
+        er_save(model, opt, staging, 1, rank=r, world=2)
+    with open(os.path.join(staging, "step-1", "rank-0", "meta.json")) as f:
+        meta_state = json.load(f)["state"]
+    md = json.dumps({"state": meta_state})
+    urls = {"file": f"file://{disk}/ckpt"}
+    run_tool([ckpt, "--json", "--concurrency", "4", "push", os.path.join(staging, "step-1"), urls["file"],
+              "--step", "1", "--world-size", "2", "--metadata", md])
+    env = None
+    if moto is not None:
+        env = s3_env(moto)
+        urls["s3"] = f"s3://{BUCKET}/ckpt"
+        run_tool([ckpt, "--json", "--concurrency", "4", "push", os.path.join(staging, "step-1"), urls["s3"],
+                  "--step", "1", "--world-size", "2", "--metadata", md], env)
+    rm(staging)
+    # The same tensors as FSDP-style row shards (each of 2 ranks holds half the rows of every
+    # tensor of 2+ rows, declared in __metadata__["elastic.shards"]), for resharded reads.
+    from safetensors.torch import save_file
+
+    flat, _ = er._flatten(model, opt, None)
+    sharded = os.path.join(base, "sharded")
+    os.makedirs(sharded)
+    for r in (0, 1):
+        part, spec = {}, {}
+        for k, t in flat.items():
+            if t.dim() >= 1 and t.shape[0] >= 2:
+                lo, hi = t.shape[0] * r // 2, t.shape[0] * (r + 1) // 2
+                part[k] = t[lo:hi].contiguous()
+                spec[k] = {"global_shape": list(t.shape), "dim0_offset": lo}
+            elif r == 0:
+                part[k] = t.detach().clone()
+        save_file(part, os.path.join(sharded, f"rank-{r}.safetensors"), metadata={"elastic.shards": json.dumps(spec)})
+        del part
+    urls["sharded"] = f"file://{disk}/ckpt-sharded"
+    run_tool([ckpt, "--json", "--concurrency", "4", "push", sharded, urls["sharded"], "--step", "1",
+              "--world-size", "2"])
+    rm(sharded)
+    dcp_dir = os.path.join(disk, "dcp")
+    dcp.save(state_dict(model, opt), checkpoint_id=dcp_dir)
+    ts_file = os.path.join(disk, "state.pt")
+    torch.save(state_dict(model, opt), ts_file)
+    os.sync()
+
+    def check():
+        got = digest(model, opt)
+        if got != want:
+            raise RuntimeError("restored state differs from the saved state")
+
+    def m_er(kind, world):
+        def run():
+            dest = os.path.join(base, "restore")
+            rm(dest)
+            wipe(model, opt)
+            t0 = time.perf_counter()
+            _, js = run_tool([store, "restore", urls[kind], os.path.join(dest, "rank-0"), "--rank", "0",
+                              "--world", str(world)], env if kind == "s3" else None)
+            t1 = time.perf_counter()
+            er_env(base, 0, world)
+            step, _ = er.load(model=model, optimizer=opt, resume_dir=dest)
+            t2 = time.perf_counter()
+            assert step == 1, step
+            check()
+            rm(dest)
+            return {"restore_s": t2 - t0, "fetch_s": js["seconds"], "fetch_process_s": t1 - t0, "fetch_cpu_s": js["cpu_s"],
+                    "load_s": t2 - t1, "bytes_read": js["bytes_read"], "bytes_needed": js["bytes_needed"],
+                    "stored_bytes": js["step_stored_bytes"], "gets": js["gets"]}
+        return run
+
+    def m_dcp():
+        wipe(model, opt)
+        r0 = common.io_read_bytes()
+        t = time.perf_counter()
+        sd = state_dict(model, opt)
+        dcp.load(sd, checkpoint_id=dcp_dir)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+        dt = time.perf_counter() - t
+        check()
+        return {"restore_s": dt, "bytes_read": common.io_read_bytes() - r0}
+
+    def m_torch():
+        wipe(model, opt)
+        r0 = common.io_read_bytes()
+        t = time.perf_counter()
+        sd = torch.load(ts_file, weights_only=True)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+        dt = time.perf_counter() - t
+        del sd
+        check()
+        return {"restore_s": dt, "bytes_read": common.io_read_bytes() - r0}
+
+    def m_shard(world):
+        def run():
+            dest = os.path.join(base, "restore-sharded")
+            _, js = run_tool([store, "restore", urls["sharded"], dest, "--rank", "0", "--world", str(world)])
+            rm(dest)
+            return {"restore_s": js["seconds"], "fetch_s": js["seconds"], "bytes_read": js["bytes_read"],
+                    "bytes_needed": js["bytes_needed"], "stored_bytes": js["step_stored_bytes"], "gets": js["gets"]}
+        return run
+
+    def m_raw(kind):
+        def run():
+            dt, js = run_tool([store, "raw-get", urls[kind]], env if kind == "s3" else None)
+            return {"restore_s": js["seconds"], "bytes_read": js["bytes"]}
+        return run
+
+    methods = [
+        ("checkpoint restore + elastic_run.load, world 2->2 (file)", m_er("file", 2)),
+        ("checkpoint restore + elastic_run.load, world 2->3 (file)", m_er("file", 3)),
+        ("raw object_store get of the step (file)", m_raw("file")),
+        ("checkpoint restore only, row-sharded state, world 2->2 (file)", m_shard(2)),
+        ("checkpoint restore only, row-sharded state, world 2->3 (file)", m_shard(3)),
+        ("dcp.load (file)", m_dcp),
+        ("torch.load (file)", m_torch),
+    ]
+    if moto is not None:
+        methods += [
+            ("checkpoint restore + elastic_run.load, world 2->2 (s3)", m_er("s3", 2)),
+            ("checkpoint restore + elastic_run.load, world 2->3 (s3)", m_er("s3", 3)),
+            ("raw object_store get of the step (s3)", m_raw("s3")),
+        ]
+    return methods
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("bench", choices=["stall", "durable", "restore"])
+    p.add_argument("--size-gib", type=float, required=True)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--staging-dir", default="/dev/shm")
+    p.add_argument("--disk-dir", default=None)
+    p.add_argument("--s3", action="store_true")
+    a = p.parse_args()
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    base = os.path.join(a.staging_dir, f"elastic-bench-{os.getpid()}")
+    disk = os.path.join(a.disk_dir or os.environ.get("TMPDIR", "/tmp"), f"elastic-bench-{os.getpid()}")
+    os.makedirs(base, exist_ok=True)
+    os.makedirs(disk, exist_ok=True)
+    moto = None
+    try:
+        t = time.perf_counter()
+        model, opt, layers, nbytes = make_state(a.size_gib)
+        common.log(f"{a.bench}: state of {nbytes / 2**30:.3f} GiB ({layers} layers) built in "
+                   f"{time.perf_counter() - t:.1f} s")
+        if a.s3:
+            moto = common.start_moto(BUCKET)
+        if a.bench == "stall":
+            methods = bench_stall(a, model, opt, base)
+        elif a.bench == "durable":
+            methods, _ = bench_durable(a, model, opt, base, disk, moto)
+        else:
+            methods = bench_restore(a, model, opt, base, disk, moto)
+        for rep in range(-a.warmup, a.reps):
+            for name, fn in common.rotate(methods, rep):
+                gc.collect()
+                os.sync()  # no write-back of the previous method lands in this one
+                r = fn()
+                for k in [k for k in r if k.startswith("_")]:
+                    rm(r.pop(k))
+                if rep >= 0:
+                    emit(bench=a.bench, size_gib=a.size_gib, state_bytes=nbytes, method=name, rep=rep, **r)
+                common.log(f"{a.bench} {a.size_gib} GiB rep {rep}: {name}: "
+                           + ", ".join(f"{k}={v:.3f}" for k, v in r.items() if isinstance(v, float)))
+    finally:
+        if moto is not None:
+            moto.stop()
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

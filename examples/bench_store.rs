@@ -1,0 +1,399 @@
+//! Object-store side of the root benchmark suite (`bench/run.sh`): the raw `object_store`
+//! baselines, and resharded restore with a count of the bytes it read. One measurement per
+//! invocation, one JSON object on stdout; `bench/suite.py` alternates, repeats and takes medians.
+//!
+//!     bench_store raw-put URL FILE... [--chunk-mib 32] [--concurrency 4]
+//!         Uploads FILEs cut into chunks (one object per chunk, like a checkpoint save) and, on
+//!         file://, fsyncs each object and its directory: the same durability a save gives.
+//!     bench_store raw-get URL [--concurrency 8]
+//!         Reads every object under URL (whole objects, several at a time).
+//!     bench_store restore URL DEST --rank R --world W [--step N] [--concurrency 8]
+//!         `Store::restore` of the newest committed step (or N) for rank R of W into DEST, through
+//!         a wrapper that counts the bytes every GET returned.
+//!
+//! URLs: `file:///abs/dir` or `s3://bucket/prefix` (S3 settings from `AWS_*`, as the agent reads
+//! them). Defaults match the agent's: 32 MiB chunks, 4 uploads and 8 reads in flight.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use futures::{Future, StreamExt, TryStreamExt};
+use object_store::path::Path as ObjPath;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult, RenameOptions,
+};
+
+const CHUNK_MIB_DEFAULT: usize = 32;
+const PUT_CONCURRENCY_DEFAULT: usize = 4;
+const GET_CONCURRENCY_DEFAULT: usize = 8;
+/// Largest number of objects `raw-get` reads (a checkpoint of a few GiB has a few hundred).
+const OBJECTS_MAX: usize = 100_000;
+
+type BoxFut<'a, T> = Pin<Box<dyn Future<Output = object_store::Result<T>> + Send + 'a>>;
+
+/// Counts what reads returned: the length of every GET's range (HEADs excluded) and of every
+/// ranged read. Everything else passes through.
+#[derive(Debug)]
+struct Counting {
+    inner: Arc<dyn ObjectStore>,
+    bytes_read: AtomicU64,
+    gets: AtomicU64,
+}
+
+impl std::fmt::Display for Counting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Counting({})", self.inner)
+    }
+}
+
+// `ObjectStore` is an `async_trait`; these are its methods written out, so the example needs no
+// extra dependency.
+impl ObjectStore for Counting {
+    fn put_opts<'a, 'b, 'c>(
+        &'a self,
+        location: &'b ObjPath,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> BoxFut<'c, PutResult>
+    where
+        'a: 'c,
+        'b: 'c,
+        Self: 'c,
+    {
+        self.inner.put_opts(location, payload, opts)
+    }
+
+    fn put_multipart_opts<'a, 'b, 'c>(
+        &'a self,
+        location: &'b ObjPath,
+        opts: PutMultipartOptions,
+    ) -> BoxFut<'c, Box<dyn MultipartUpload>>
+    where
+        'a: 'c,
+        'b: 'c,
+        Self: 'c,
+    {
+        self.inner.put_multipart_opts(location, opts)
+    }
+
+    fn get_opts<'a, 'b, 'c>(
+        &'a self,
+        location: &'b ObjPath,
+        options: GetOptions,
+    ) -> BoxFut<'c, GetResult>
+    where
+        'a: 'c,
+        'b: 'c,
+        Self: 'c,
+    {
+        Box::pin(async move {
+            let head = options.head;
+            let r = self.inner.get_opts(location, options).await?;
+            if !head {
+                self.gets.fetch_add(1, Ordering::Relaxed);
+                self.bytes_read
+                    .fetch_add(r.range.end - r.range.start, Ordering::Relaxed);
+            }
+            Ok(r)
+        })
+    }
+
+    fn get_ranges<'a, 'b, 'r, 'c>(
+        &'a self,
+        location: &'b ObjPath,
+        ranges: &'r [Range<u64>],
+    ) -> BoxFut<'c, Vec<Bytes>>
+    where
+        'a: 'c,
+        'b: 'c,
+        'r: 'c,
+        Self: 'c,
+    {
+        Box::pin(async move {
+            let out = self.inner.get_ranges(location, ranges).await?;
+            self.gets.fetch_add(ranges.len() as u64, Ordering::Relaxed);
+            self.bytes_read
+                .fetch_add(out.iter().map(|b| b.len() as u64).sum(), Ordering::Relaxed);
+            Ok(out)
+        })
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<ObjPath>>,
+    ) -> BoxStream<'static, object_store::Result<ObjPath>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(
+        &self,
+        prefix: Option<&ObjPath>,
+    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    fn list_with_offset(
+        &self,
+        prefix: Option<&ObjPath>,
+        offset: &ObjPath,
+    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list_with_offset(prefix, offset)
+    }
+
+    fn list_with_delimiter<'a, 'b, 'c>(
+        &'a self,
+        prefix: Option<&'b ObjPath>,
+    ) -> BoxFut<'c, ListResult>
+    where
+        'a: 'c,
+        'b: 'c,
+        Self: 'c,
+    {
+        self.inner.list_with_delimiter(prefix)
+    }
+
+    fn copy_opts<'a, 'b, 'd, 'c>(
+        &'a self,
+        from: &'b ObjPath,
+        to: &'d ObjPath,
+        options: CopyOptions,
+    ) -> BoxFut<'c, ()>
+    where
+        'a: 'c,
+        'b: 'c,
+        'd: 'c,
+        Self: 'c,
+    {
+        self.inner.copy_opts(from, to, options)
+    }
+
+    fn rename_opts<'a, 'b, 'd, 'c>(
+        &'a self,
+        from: &'b ObjPath,
+        to: &'d ObjPath,
+        options: RenameOptions,
+    ) -> BoxFut<'c, ()>
+    where
+        'a: 'c,
+        'b: 'c,
+        'd: 'c,
+        Self: 'c,
+    {
+        self.inner.rename_opts(from, to, options)
+    }
+}
+
+/// An `object_store` backend, the key prefix inside it and, for `file://`, its root directory.
+fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, String, Option<PathBuf>)> {
+    if let Some(path) = url.strip_prefix("file://") {
+        let dir = PathBuf::from(path);
+        if !dir.is_absolute() {
+            bail!("{url}: not an absolute path");
+        }
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let fs = object_store::local::LocalFileSystem::new_with_prefix(&dir)?;
+        Ok((Arc::new(fs), String::new(), Some(dir)))
+    } else if let Some(rest) = url.strip_prefix("s3://") {
+        let s = object_store::aws::AmazonS3Builder::from_env()
+            .with_url(url)
+            .build()?;
+        let prefix = rest.split_once('/').map_or("", |(_, p)| p);
+        Ok((Arc::new(s), prefix.trim_matches('/').to_string(), None))
+    } else {
+        bail!("unsupported URL {url:?} (file:///abs/dir or s3://bucket/prefix)")
+    }
+}
+
+fn key(prefix: &str, rel: &str) -> ObjPath {
+    if prefix.is_empty() {
+        ObjPath::from(rel)
+    } else {
+        ObjPath::from(format!("{prefix}/{rel}"))
+    }
+}
+
+fn fsync(path: &Path) -> std::io::Result<()> {
+    std::fs::File::open(path)?.sync_all()
+}
+
+async fn raw_put(
+    url: &str,
+    files: &[PathBuf],
+    chunk_bytes: u64,
+    concurrency: usize,
+) -> Result<serde_json::Value> {
+    let (store, prefix, root) = open(url)?;
+    let mut jobs = Vec::new();
+    for (fi, f) in files.iter().enumerate() {
+        let len = std::fs::metadata(f)
+            .with_context(|| format!("{}", f.display()))?
+            .len();
+        for (ci, start) in (0..len).step_by(chunk_bytes as usize).enumerate() {
+            jobs.push((fi, ci, f.clone(), start, (len - start).min(chunk_bytes)));
+        }
+    }
+    let total: u64 = jobs.iter().map(|j| j.4).sum();
+    let objects = jobs.len();
+    let run = format!("raw-{}", std::process::id());
+    let t = Instant::now();
+    futures::stream::iter(jobs)
+        .map(|(fi, ci, f, start, len)| {
+            let (store, root) = (store.clone(), root.clone());
+            let k = key(&prefix, &format!("{run}/{fi}/{ci}.bin"));
+            async move {
+                // Read the chunk like a save does: off the staged file, on a blocking thread.
+                let data = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<u8>> {
+                    use std::os::unix::fs::FileExt;
+                    let mut buf = vec![0u8; len as usize];
+                    std::fs::File::open(f)?.read_exact_at(&mut buf, start)?;
+                    Ok(buf)
+                })
+                .await??;
+                store.put(&k, PutPayload::from(data)).await?;
+                if let Some(root) = root {
+                    // S3 is durable when the PUT returns; a local file needs its fsyncs.
+                    let p = root.join(k.as_ref());
+                    tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+                        fsync(&p)?;
+                        fsync(p.parent().expect("object has a directory"))
+                    })
+                    .await??;
+                }
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(concurrency.max(1))
+        .try_collect::<Vec<_>>()
+        .await?;
+    let secs = t.elapsed().as_secs_f64();
+    Ok(
+        serde_json::json!({"op": "raw-put", "seconds": secs, "bytes": total, "objects": objects, "prefix": run}),
+    )
+}
+
+async fn raw_get(url: &str, concurrency: usize) -> Result<serde_json::Value> {
+    let (store, prefix, _) = open(url)?;
+    let p = (!prefix.is_empty()).then(|| ObjPath::from(prefix.as_str()));
+    let t = Instant::now();
+    let metas: Vec<ObjectMeta> = store
+        .list(p.as_ref())
+        .take(OBJECTS_MAX)
+        .try_collect()
+        .await?;
+    let objects = metas.len();
+    let sizes: Vec<u64> = futures::stream::iter(metas)
+        .map(|m| {
+            let store = store.clone();
+            async move { anyhow::Ok(store.get(&m.location).await?.bytes().await?.len() as u64) }
+        })
+        .buffer_unordered(concurrency.max(1))
+        .try_collect()
+        .await?;
+    let secs = t.elapsed().as_secs_f64();
+    Ok(
+        serde_json::json!({"op": "raw-get", "seconds": secs, "bytes": sizes.iter().sum::<u64>(), "objects": objects}),
+    )
+}
+
+async fn restore(
+    url: &str,
+    dest: &Path,
+    step: Option<u64>,
+    rank: u32,
+    world: u32,
+    concurrency: usize,
+) -> Result<serde_json::Value> {
+    let (inner, prefix, _) = open(url)?;
+    let counting = Arc::new(Counting {
+        inner,
+        bytes_read: AtomicU64::new(0),
+        gets: AtomicU64::new(0),
+    });
+    let store = checkpoint::Store::from_object_store(counting.clone(), &prefix, url);
+    let cancel = checkpoint::CancellationToken::new();
+    let opts = checkpoint::ReadOptions {
+        concurrency: concurrency.max(1),
+        progress: None,
+    };
+    let _ = std::fs::remove_dir_all(dest);
+    let t = Instant::now();
+    let report = store
+        .restore(step, rank, world, dest, &opts, &cancel)
+        .await?;
+    let secs = t.elapsed().as_secs_f64();
+    let (read, gets) = (
+        counting.bytes_read.load(Ordering::Relaxed),
+        counting.gets.load(Ordering::Relaxed),
+    );
+    // Outside the timed part: the step's sizes, for "read vs stored vs needed".
+    let m = store.read_manifest(report.step, &cancel).await?;
+    Ok(serde_json::json!({
+        "op": "restore", "seconds": secs, "step": report.step, "rank": rank, "world": world,
+        "saved_world": m.world_size, "tensors": report.tensors,
+        "bytes_needed": report.bytes, "bytes_read": read, "gets": gets,
+        "step_stored_bytes": m.stored_bytes(), "step_raw_bytes": m.raw_bytes(),
+    }))
+}
+
+fn flag<T: std::str::FromStr>(args: &mut Vec<String>, name: &str) -> Result<Option<T>> {
+    let Some(i) = args.iter().position(|a| a == name) else {
+        return Ok(None);
+    };
+    if i + 1 >= args.len() {
+        bail!("{name} needs a value");
+    }
+    let v = args.remove(i + 1);
+    args.remove(i);
+    v.parse()
+        .map(Some)
+        .map_err(|_| anyhow::anyhow!("{name}: bad value {v:?}"))
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let chunk_mib: usize = flag(&mut args, "--chunk-mib")?.unwrap_or(CHUNK_MIB_DEFAULT);
+    let concurrency: Option<usize> = flag(&mut args, "--concurrency")?;
+    let rank: Option<u32> = flag(&mut args, "--rank")?;
+    let world: Option<u32> = flag(&mut args, "--world")?;
+    let step: Option<u64> = flag(&mut args, "--step")?;
+    let out = match args.first().map(String::as_str) {
+        Some("raw-put") if args.len() >= 3 => {
+            let files: Vec<PathBuf> = args[2..].iter().map(PathBuf::from).collect();
+            raw_put(
+                &args[1],
+                &files,
+                (chunk_mib.max(1) * 1024 * 1024) as u64,
+                concurrency.unwrap_or(PUT_CONCURRENCY_DEFAULT),
+            )
+            .await?
+        }
+        Some("raw-get") if args.len() == 2 => {
+            raw_get(&args[1], concurrency.unwrap_or(GET_CONCURRENCY_DEFAULT)).await?
+        }
+        Some("restore") if args.len() == 3 => {
+            restore(
+                &args[1],
+                Path::new(&args[2]),
+                step,
+                rank.unwrap_or(0),
+                world.unwrap_or(1),
+                concurrency.unwrap_or(GET_CONCURRENCY_DEFAULT),
+            )
+            .await?
+        }
+        _ => bail!(
+            "usage: bench_store raw-put URL FILE... | raw-get URL | restore URL DEST --rank R --world W [--step N]"
+        ),
+    };
+    println!("{out}");
+    Ok(())
+}
