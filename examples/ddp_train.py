@@ -65,6 +65,10 @@ def main():
     p.add_argument("--batch-size", type=int, default=None, help="per worker (default: ELASTIC_BATCH_SIZE or 32)")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (tests)")
+    p.add_argument("--crash-at", type=int, default=None, help="rank --crash-rank exits 3 at this step (tests)")
+    p.add_argument("--crash-rank", type=int, default=0)
+    p.add_argument("--crash-restarts", type=int, default=1,
+                   help="crash only while TORCHELASTIC_RESTART_COUNT is below this")
     args = p.parse_args()
 
     backend = er.init()
@@ -82,6 +86,8 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     x_all, y_all = dataset(args.seed)
 
+    if rank == 0:
+        print(f"backend {backend or 'none'} world {world} device {device}", flush=True)
     step, samples_seen = 0, 0
     resumed = er.load(model=model, optimizer=opt)
     if resumed is not None:
@@ -91,6 +97,13 @@ def main():
         if rank == 0:
             print(f"resumed from step {step} (samples_seen {samples_seen}, saved at world {extra.get('world_size')})", flush=True)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
+    if dist.is_initialized():
+        # DDP re-buckets gradients after its first backward, which changes the order in which
+        # gradient elements are summed across ranks. One backward of a zero loss makes it do so
+        # before the first real step of every (re)start, so a resumed run sums in exactly the
+        # same order as an uninterrupted one: resumes are bitwise equal at any world size.
+        ddp(x_all[:1].to(device)).sum().mul(0.0).backward()
+        opt.zero_grad(set_to_none=True)
 
     saved_step = step
     while step < args.steps:
@@ -113,6 +126,10 @@ def main():
         if rank == 0:
             print(f"step {step} loss {total:.6f} lr {lr:.6g} world {world} accum {accum}", flush=True)
         er.report_progress(step)
+        if (step == args.crash_at and rank == args.crash_rank
+                and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < args.crash_restarts):
+            print(f"rank {rank} crashing at step {step} on purpose", flush=True)
+            os._exit(3)
         stop = er.should_stop(step)
         if stop or er.should_checkpoint(step) or step == args.steps:
             er.save(step, model=model, optimizer=opt,
