@@ -686,16 +686,25 @@ async fn check_store(
     }
     for step in &committed {
         let dest = tmp.join(format!("restore-check/step-{step}"));
-        if let Err(e) = store
+        match store
             .restore(Some(*step), 0, 1, &dest, &Default::default(), &cancel)
             .await
         {
-            bad.push((*step, format!("restore: {e}")));
+            // The newest step, restored whole, is kept for comparing weights.
+            Ok(_) if Some(step) == committed.last() => {
+                let _ = std::fs::remove_dir_all(tmp.join(FINAL_STATE_DIR));
+                let _ = std::fs::rename(&dest, tmp.join(FINAL_STATE_DIR));
+            }
+            Ok(_) => {}
+            Err(e) => bad.push((*step, format!("restore: {e}"))),
         }
     }
     let _ = std::fs::remove_dir_all(tmp.join("restore-check"));
     (committed, bad)
 }
+
+/// Where a run keeps its newest committed step, restored for one rank of a world of one.
+pub const FINAL_STATE_DIR: &str = "final-state";
 
 /// Runs `s` with `seed` into `out` (wiped first); returns the report (also written there).
 /// With `compare_reference`, a fault-free run of the same scenario goes first, into
@@ -713,7 +722,7 @@ pub async fn run(s: &Scenario, seed: u64, tools: &Tools, out: &Path) -> Result<R
         out.join("scenario.toml"),
         toml::to_string(&replay).context("scenario as TOML")?,
     )?;
-    let reference_digest = if s.compare_reference {
+    let reference = if s.compare_reference {
         let mut clean = s.clone();
         clean.faults.clear();
         clean.random = None;
@@ -725,11 +734,21 @@ pub async fn run(s: &Scenario, seed: u64, tools: &Tools, out: &Path) -> Result<R
                 out.join("reference").display()
             );
         }
-        r.outcome.digest
+        Some(Reference {
+            digest: r.outcome.digest,
+            state: out.join("reference").join(FINAL_STATE_DIR),
+        })
     } else {
         None
     };
-    run_once(s, seed, tools, out, reference_digest).await
+    run_once(s, seed, tools, out, reference).await
+}
+
+/// What the fault-free reference run left to compare against.
+struct Reference {
+    digest: Option<String>,
+    /// Its newest committed step, restored whole.
+    state: PathBuf,
 }
 
 async fn run_once(
@@ -737,7 +756,7 @@ async fn run_once(
     seed: u64,
     tools: &Tools,
     out: &Path,
-    reference_digest: Option<String>,
+    reference: Option<Reference>,
 ) -> Result<Report> {
     let started = Instant::now();
     std::fs::create_dir_all(out)?;
@@ -900,9 +919,18 @@ async fn run_once(
     let live = watcher.await.unwrap_or_default();
     let (committed, bad_steps) = check_store(&url, direct_opts, &out).await;
     let (done_step, digest) = final_line(&out.join("logs"));
+    let (reference_digest, weights) = match reference {
+        Some(r) => {
+            let diff = crate::weights::compare(&out.join(FINAL_STATE_DIR), &r.state)
+                .map_err(|e| format!("{e:#}"));
+            (r.digest, Some(diff))
+        }
+        None => (None, None),
+    };
     let outcome = Outcome {
         done_step,
         digest,
+        weights,
         exits,
         timed_out,
         committed,

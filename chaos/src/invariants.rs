@@ -35,6 +35,10 @@ pub struct Outcome {
     /// Processes of this run still alive at the end.
     pub leftovers: Vec<String>,
     pub reference_digest: Option<String>,
+    /// With a reference run: how far the final model weights are from its (or why they could
+    /// not be compared).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weights: Option<Result<crate::weights::WeightsDiff, String>>,
     /// What the store watcher saw during the run.
     pub live: crate::watch::WatchReport,
     /// `(node, message)`: the last `elastic-run: ...` error line of each agent that printed one.
@@ -156,6 +160,24 @@ fn expected_scaling(s: &Scenario, world: u64) -> Option<elastic::ScalingDecision
     cfg.decide(world, None).ok()
 }
 
+/// Checkpoint intervals a node's training may run ahead of its newest commit: the step being
+/// committed, one queued, one held by the agent loop, one in the socket channel, and the one a
+/// waiting worker has just written (elastic-run's commit pipeline; a worker saving beyond it
+/// waits).
+pub const COMMIT_PIPELINE_CHECKPOINTS: u64 = 5;
+/// How long after store trouble ends its backlog may still be draining.
+pub const STORE_BACKLOG_WINDOW_MS: u64 = 30_000;
+
+/// Whether a store fault was active at `t` or ended less than the backlog window before it.
+fn store_trouble_before(fired: &[Fired], t: u64) -> bool {
+    fired.iter().any(|f| {
+        f.skipped.is_none()
+            && f.fault.kind.needs_s3()
+            && f.at_unix_ms <= t
+            && f.at_unix_ms + f.fault.duration_ms + STORE_BACKLOG_WINDOW_MS >= t
+    })
+}
+
 pub fn check(s: &Scenario, events: &[Value], fired: &[Fired], o: &Outcome) -> Vec<Check> {
     let mut out = Vec::new();
     let mut add =
@@ -233,19 +255,27 @@ pub fn check(s: &Scenario, events: &[Value], fired: &[Fired], o: &Outcome) -> Ve
         },
     );
 
-    // 4. Lost work per fault.
+    // 4. Lost work per fault. After store trouble the agents hold a backlog of staged,
+    //    uncommitted checkpoints (at most the commit pipeline's depth: workers wait beyond it),
+    //    so a crash then may lose up to that many intervals.
     let mut bad = Vec::new();
     for e in effects(events, fired) {
         if e.skipped.is_some() {
             continue;
         }
+        let backlog = store_trouble_before(fired, e.at_unix_ms);
+        let crash_bound = if backlog {
+            s.checkpoint_interval * COMMIT_PIPELINE_CHECKPOINTS
+        } else {
+            s.checkpoint_interval
+        };
         let bound = match e.kind {
             k if k.is_preemption() => Some(0),
             FaultKind::SigkillAgent
             | FaultKind::SigkillWorker
             | FaultKind::Partition
-            | FaultKind::Blackhole => Some(s.checkpoint_interval),
-            FaultKind::SigstopWorker => Some(s.checkpoint_interval),
+            | FaultKind::Blackhole
+            | FaultKind::SigstopWorker => Some(crash_bound),
             _ => None,
         };
         if let (Some(b), Some(l)) = (bound, e.lost_steps)
@@ -258,7 +288,9 @@ pub fn check(s: &Scenario, events: &[Value], fired: &[Fired], o: &Outcome) -> Ve
         "lost_work_bounded",
         bad.is_empty(),
         if bad.is_empty() {
-            "0 for preemptions, at most the checkpoint interval otherwise".into()
+            format!(
+                "0 for preemptions, at most the checkpoint interval otherwise ({COMMIT_PIPELINE_CHECKPOINTS} intervals within {STORE_BACKLOG_WINDOW_MS} ms of store trouble)"
+            )
         } else {
             bad.join("; ")
         },
@@ -325,13 +357,39 @@ pub fn check(s: &Scenario, events: &[Value], fired: &[Fired], o: &Outcome) -> Ve
         },
     );
 
-    // 6. Bitwise equal to a fault-free reference.
+    // 6. Against a fault-free reference: bitwise equal weights while the world size stayed
+    //    the base one; within `weights_rtol` once it changed (gradients summed in another
+    //    order).
     if s.compare_reference {
-        add(
-            "matches_reference",
-            o.digest.is_some() && o.digest == o.reference_digest,
-            format!("digest {:?}, reference {:?}", o.digest, o.reference_digest),
-        );
+        let base = u64::from(s.base_world());
+        let mut worlds: Vec<u64> = ev(events, "generation")
+            .filter_map(|g| g["world_size"].as_u64())
+            .collect();
+        worlds.sort_unstable();
+        worlds.dedup();
+        if worlds.iter().all(|w| *w == base) {
+            add(
+                "matches_reference",
+                o.digest.is_some() && o.digest == o.reference_digest,
+                format!(
+                    "world {base} throughout: digest {:?}, reference {:?}",
+                    o.digest, o.reference_digest
+                ),
+            );
+        } else {
+            let (ok, detail) = match &o.weights {
+                Some(Ok(d)) => (
+                    d.max_rel_diff <= s.weights_rtol,
+                    format!(
+                        "worlds {worlds:?}: largest relative difference {:.3e} (in {}) over {} model tensors, tolerance {:.1e}",
+                        d.max_rel_diff, d.worst, d.tensors, s.weights_rtol
+                    ),
+                ),
+                Some(Err(e)) => (false, format!("weights not compared: {e}")),
+                None => (false, "no reference weights".into()),
+            };
+            add("matches_reference_within_tolerance", ok, detail);
+        }
     }
 
     // 7. While the run went on, the newest committed step never went back, no committed step
@@ -456,6 +514,100 @@ mod tests {
         assert_eq!(e[0].detection_ms, Some(500));
         assert_eq!(e[0].recovery_ms, Some(5500));
         assert_eq!(e[0].lost_steps, Some(3));
+    }
+
+    #[test]
+    fn a_crash_soon_after_store_trouble_may_lose_the_commit_backlog() {
+        let s = scenario();
+        // The kill at 3500 ms costs 13 steps: the newest commit was step 0.
+        let mut evs = events();
+        evs[4]["resume_step"] = json!(0);
+        let lost_ok = |f: &[Fired]| {
+            check(&s, &evs, f, &outcome())
+                .into_iter()
+                .find(|c| c.name == "lost_work_bounded")
+                .unwrap()
+                .ok
+        };
+        assert!(!lost_ok(&fired(FaultKind::SigkillAgent)), "13 > interval 5");
+        let slow = |at_unix_ms: u64| Fired {
+            fault: Fault {
+                at_ms: 0,
+                kind: FaultKind::StoreSlow,
+                node: 0,
+                duration_ms: 2_000,
+                delay_ms: 1_500,
+            },
+            at_unix_ms,
+            skipped: None,
+        };
+        let mut f = vec![slow(1_000)];
+        f.extend(fired(FaultKind::SigkillAgent));
+        assert!(lost_ok(&f), "13 <= 5 intervals after a slow store");
+        // Store trouble long over (or only after the kill) excuses nothing.
+        let mut f = fired(FaultKind::SigkillAgent);
+        f.push(slow(3_600));
+        assert!(!lost_ok(&f));
+        evs[4]["resume_step"] = json!(0);
+        let mut evs_late = evs.clone();
+        for e in &mut evs_late {
+            e["ts_ms"] = json!(e["ts_ms"].as_u64().unwrap() + 100_000);
+        }
+        let mut f = vec![slow(1_000)];
+        let mut k = fired(FaultKind::SigkillAgent);
+        k[0].at_unix_ms += 100_000;
+        f.extend(k);
+        assert!(
+            !check(&s, &evs_late, &f, &outcome())
+                .into_iter()
+                .find(|c| c.name == "lost_work_bounded")
+                .unwrap()
+                .ok
+        );
+    }
+
+    #[test]
+    fn weights_match_bitwise_at_the_base_world_and_within_tolerance_after_a_change() {
+        let mut s = scenario();
+        s.compare_reference = true;
+        let verdict = |evs: &[Value], o: &Outcome| {
+            check(&s, evs, &[], o)
+                .into_iter()
+                .find(|c| c.name.starts_with("matches_reference"))
+                .map(|c| (c.name, c.ok))
+                .unwrap()
+        };
+        let diff = |d: f64| {
+            Some(Ok(crate::weights::WeightsDiff {
+                tensors: 6,
+                max_rel_diff: d,
+                worst: "model/0.weight".into(),
+            }))
+        };
+        // World 3 throughout: digests decide.
+        let same: Vec<Value> = events().into_iter().take(4).collect();
+        let mut o = outcome();
+        o.digest = Some("ab".into());
+        o.reference_digest = Some("ab".into());
+        assert_eq!(verdict(&same, &o), ("matches_reference", true));
+        o.reference_digest = Some("cd".into());
+        o.weights = diff(0.0);
+        assert_eq!(verdict(&same, &o), ("matches_reference", false));
+        // 3 -> 2: the tolerance decides, and a missing comparison fails.
+        o.weights = diff(1e-6);
+        assert_eq!(
+            verdict(&events(), &o),
+            ("matches_reference_within_tolerance", true)
+        );
+        o.weights = diff(1e-3);
+        assert_eq!(
+            verdict(&events(), &o),
+            ("matches_reference_within_tolerance", false)
+        );
+        o.weights = Some(Err("no state".into()));
+        assert!(!verdict(&events(), &o).1);
+        o.weights = None;
+        assert!(!verdict(&events(), &o).1);
     }
 
     #[test]

@@ -13,8 +13,11 @@
 //! - [`watch`]: watches the checkpoint store during a run (the newest commit never goes back,
 //!   nothing visible as committed is partial).
 //! - [`report`]: the JSON report and the SVG timeline.
+//! - [`weights`]: final weights against a fault-free reference, within a tolerance when the
+//!   world size changed.
 //! - `src/main.rs`: `elastic-chaos run SCENARIO` and `elastic-chaos soak --minutes N`.
-//! - `scenarios/`: the CI campaign (SIGKILL, preemption, partition, store outage);
+//! - `scenarios/`: the CI campaign (SIGKILL, preemption, partition, store outage, store
+//!   slowness and errors with a SIGKILL, a fixed-batch shrink compared with a reference run);
 //!   `tests/campaign.rs` runs it.
 
 pub mod harness;
@@ -23,3 +26,4 @@ pub mod proxy;
 pub mod report;
 pub mod scenario;
 pub mod watch;
+pub mod weights;

@@ -26,6 +26,8 @@
 //! deadline_s = 300           # the whole run
 //! expect = "complete"        # complete | fail
 //! compare_reference = false  # fault-free reference run; final weights must be equal
+//! weights_rtol = 1e-4        # ... or within this (max |a-b| / max |b| per tensor) when the
+//!                            #     world size changed (fixed only)
 //! require_fault_effect = true  # every node fault must cause a reaction (soak: false)
 //!
 //! [[faults]]                 # fixed faults, seconds after the first training step
@@ -175,6 +177,9 @@ fn d_expect() -> Expect {
 fn d_store() -> StoreKind {
     StoreKind::File
 }
+fn d_rtol() -> f64 {
+    1e-4
+}
 fn d_true() -> bool {
     true
 }
@@ -242,6 +247,11 @@ pub struct Scenario {
     pub expect: Expect,
     #[serde(default)]
     pub compare_reference: bool,
+    /// With `compare_reference`, how far the final model weights may be from the reference's
+    /// when the world size changed: the largest `max |a - b| / max |b|` over the model
+    /// tensors. Runs that kept the base world size must match bitwise.
+    #[serde(default = "d_rtol")]
+    pub weights_rtol: f64,
     /// Every fault aimed at a node must cause a visible reaction (else the scenario proves
     /// nothing). Random scenarios turn it off: their faults may land where nothing happens.
     #[serde(default = "d_true")]
@@ -318,6 +328,15 @@ impl Scenario {
             if !(r.window_s[0] >= 0.0 && r.window_s[0] <= r.window_s[1]) {
                 return Err("random.window_s must be [from, to] with 0 <= from <= to".into());
             }
+        }
+        if !(self.weights_rtol.is_finite() && self.weights_rtol >= 0.0) {
+            return Err(format!("weights_rtol {} must be >= 0", self.weights_rtol));
+        }
+        if self.compare_reference && self.lr_scaling != "fixed" && self.max_nodes != self.min_nodes
+        {
+            return Err(
+                "compare_reference with a changing world size needs lr_scaling = \"fixed\" (other policies change the global batch, so the weights differ by design)".into(),
+            );
         }
         if !(self.base_lr.is_finite() && self.base_lr > 0.0) {
             return Err(format!("base_lr {} must be positive", self.base_lr));
@@ -520,6 +539,7 @@ pub fn random_scenario(seed: u64) -> Scenario {
         deadline_s: 400.0,
         expect: Expect::Complete,
         compare_reference: false,
+        weights_rtol: d_rtol(),
         require_fault_effect: false,
         faults: vec![],
         random: Some(RandomFaults {

@@ -73,10 +73,12 @@ use crate::worker_env::{GenerationView, WorkerSpec};
 pub const STOP_GRACE_MS: u64 = 5_000;
 /// Part of `--preemption-grace` kept back for SIGTERM → SIGKILL at the end of a drain.
 const DRAIN_KILL_WINDOW_MAX_MS: u64 = 5_000;
-/// Saved parts queued between the socket and the agent loop.
-const PARTS_QUEUE_MAX: usize = 64;
-/// Complete steps queued for the committer; a full queue makes workers wait on `saved`.
-const COMMIT_QUEUE_MAX: usize = 4;
+/// Complete steps queued for the committer besides the one it is committing. With one more
+/// complete step held by the agent loop and one step's parts in the socket channel (capacity:
+/// this node's ranks), at most four checkpoints are staged and uncommitted; a worker saving a
+/// fifth waits on its `saved` reply. That bounds both staging space and the work a crash can
+/// lose while the store is slow.
+const COMMIT_QUEUE_MAX: usize = 1;
 /// How long the agent waits for queued worker output to be written before it exits.
 const OUTPUT_FLUSH_MS: u64 = 5_000;
 /// How long pending commits may take after the workers are done, outside a drain.
@@ -415,16 +417,52 @@ impl Committer {
         }
     }
 
-    /// Queues a step without waiting: the agent loop must never block on a slow store. The
-    /// loop only hands over while the queue has room; a step that finds it full (parts drained
-    /// after a group ended, while the store is backed up) is dropped with a warning: the
-    /// workers' next checkpoint supersedes it.
-    fn submit(&self, step: StepToCommit) {
+    /// Queues a step without waiting (the agent loop must never block on a slow store), or
+    /// gives it back when the queue is full: the loop holds it until a permit comes.
+    fn try_submit(&self, step: StepToCommit) -> Result<(), StepToCommit> {
+        // Counted before the send: the committer may finish it (and count it down) at once.
+        self.pending_tx.send_modify(|n| *n += 1);
+        let r = self.tx.try_send((step, self.era.clone()));
+        if r.is_err() {
+            self.pending_tx.send_modify(|n| *n = n.saturating_sub(1));
+        }
+        match r {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full((step, _))) => Err(step),
+            Err(mpsc::error::TrySendError::Closed((step, _))) => {
+                tracing::warn!(
+                    step = step.step,
+                    "checkpoint queue closed; this step is not committed"
+                );
+                Ok(())
+            }
+        }
+    }
+
+    /// Queues a step into the room `permit` holds.
+    fn submit_with(
+        &self,
+        permit: mpsc::OwnedPermit<(StepToCommit, CancellationToken)>,
+        step: StepToCommit,
+    ) {
+        self.pending_tx.send_modify(|n| *n += 1);
+        permit.send((step, self.era.clone()));
+    }
+
+    /// Queues a step, waiting for room until `deadline` (after a worker group ended, when the
+    /// loop has nothing else to serve); a step that still finds no room is dropped with a
+    /// warning.
+    async fn submit_until(&self, step: StepToCommit, deadline: Instant) {
         let s = step.step;
         self.pending_tx.send_modify(|n| *n += 1);
-        if let Err(e) = self.tx.try_send((step, self.era.clone())) {
+        let sent =
+            tokio::time::timeout_at(deadline.into(), self.tx.send((step, self.era.clone()))).await;
+        if !matches!(sent, Ok(Ok(()))) {
             self.pending_tx.send_modify(|n| *n = n.saturating_sub(1));
-            tracing::warn!(step = s, error = %e, "checkpoint queue full; this step is not committed");
+            tracing::warn!(
+                step = s,
+                "no room in the checkpoint queue before the deadline; this step is not committed"
+            );
         }
     }
 
@@ -532,7 +570,7 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
     let state = Arc::new(AgentState::new(staging.clone()));
     let listener = tokio::net::UnixListener::bind(&socket_path)
         .with_context(|| format!("bind the agent socket {}", socket_path.display()))?;
-    let (parts_tx, mut parts_rx) = mpsc::channel::<Received>(PARTS_QUEUE_MAX);
+    let (parts_tx, mut parts_rx) = mpsc::channel::<Received>(nproc.max(1) as usize);
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let server = tokio::spawn(agent_socket::serve(
         listener,
@@ -714,6 +752,8 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
         if let Some(rx) = snap_rx.as_mut() {
             rx.mark_changed();
         }
+        // A complete step waiting for room in the commit queue.
+        let mut held: Option<StepToCommit> = None;
         let outcome = loop {
             tokio::select! {
                 out = &mut sup => break out.context("supervisor task")?,
@@ -734,11 +774,19 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
                         drain = Some(start_drain(&node, &membership, &cmd_tx, true).await);
                     }
                 }
-                // Only while the commit queue has room, so handing over never blocks this loop
-                // (signals must stay responsive); otherwise parts wait in their channel and,
-                // once that is full, workers wait for their `saved` reply.
-                Some(r) = parts_rx.recv(), if committer.tx.capacity() > 0 => {
-                    hand_over(&node, &view, &mut tracker, r, &committer).await;
+                // Handing over never blocks this loop (signals must stay responsive): a step
+                // that finds the commit queue full is held until room frees up, and no more
+                // parts are taken meanwhile, so they wait in their channel and, once that is
+                // full, workers wait for their `saved` reply.
+                Some(r) = parts_rx.recv(), if held.is_none() => {
+                    if let Some(step) = tracker_complete(&node, &view, &mut tracker, r) {
+                        held = committer.try_submit(step).err();
+                    }
+                }
+                Ok(permit) = committer.tx.clone().reserve_owned(), if held.is_some() => {
+                    if let Some(step) = held.take() {
+                        committer.submit_with(permit, step);
+                    }
                 }
                 _ = async { checkpoint_timer.as_mut().expect("guarded").tick().await }, if checkpoint_timer.is_some() => {
                     if let Some(step) = state.last_step() {
@@ -798,9 +846,22 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
         };
         drop(cmd_tx);
         last_step_reached = state.last_step().or(last_step_reached);
-        // Parts reported just before the workers exited are already queued: hand them over.
+        // Parts reported just before the workers exited are already queued: hand them over,
+        // waiting for queue room as long as this ending allows (a drain's last checkpoint is
+        // the one that matters most).
+        let handover_limit = match (&drain, &outcome) {
+            (Some(d), _) if d.local => node.grace.saturating_sub(d.started.elapsed()),
+            (_, Outcome::Succeeded) => Duration::from_millis(FLUSH_TIMEOUT_MS),
+            _ => Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS),
+        };
+        let handover_deadline = Instant::now() + handover_limit;
+        if let Some(step) = held.take() {
+            committer.submit_until(step, handover_deadline).await;
+        }
         while let Ok(r) = parts_rx.try_recv() {
-            hand_over(&node, &view, &mut tracker, r, &committer).await;
+            if let Some(step) = tracker_complete(&node, &view, &mut tracker, r) {
+                committer.submit_until(step, handover_deadline).await;
+            }
         }
 
         // ---- D: what now -----------------------------------------------------------------------
@@ -1263,40 +1324,39 @@ async fn leave_etcd(m: &mut EtcdMember) -> u8 {
     0
 }
 
-async fn hand_over(
+/// Records a saved part; returns the step once every local rank has staged it.
+fn tracker_complete(
     node: &Node,
     view: &GenerationView,
     tracker: &mut StepTracker,
     r: Received,
-    committer: &Committer,
-) {
+) -> Option<StepToCommit> {
     let world = r.world_size;
     let generation = r.generation;
-    if let Some(parts) = tracker.record_received(r.epoch, r.ranks, r.part) {
-        let step = parts[0].step;
-        tracing::info!(step, ranks = parts.len(), "step staged by every local rank");
-        let s = &view.scaling;
-        let agent_metadata = json!({
-            "generation": generation,
-            "world_size": world,
-            "node": node.node_id,
-            "mode": format!("{:?}", node.mode).to_lowercase(),
-            "scaling": {
-                "lr_scale": s.lr_scale,
-                "lr": s.lr,
-                "batch_size": s.batch_size,
-                "global_batch": s.global_batch,
-                "grad_accum_steps": s.grad_accum_steps,
-            },
-        });
-        committer.submit(StepToCommit {
-            step,
-            generation,
-            world_size: world,
-            parts,
-            agent_metadata,
-        });
-    }
+    let parts = tracker.record_received(r.epoch, r.ranks, r.part)?;
+    let step = parts[0].step;
+    tracing::info!(step, ranks = parts.len(), "step staged by every local rank");
+    let s = &view.scaling;
+    let agent_metadata = json!({
+        "generation": generation,
+        "world_size": world,
+        "node": node.node_id,
+        "mode": format!("{:?}", node.mode).to_lowercase(),
+        "scaling": {
+            "lr_scale": s.lr_scale,
+            "lr": s.lr,
+            "batch_size": s.batch_size,
+            "global_batch": s.global_batch,
+            "grad_accum_steps": s.grad_accum_steps,
+        },
+    });
+    Some(StepToCommit {
+        step,
+        generation,
+        world_size: world,
+        parts,
+        agent_metadata,
+    })
 }
 
 /// Commits complete steps in order; returns whether every commit succeeded.

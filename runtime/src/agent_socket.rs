@@ -32,7 +32,7 @@
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -44,6 +44,8 @@ use crate::worker_env::ResumePoint;
 /// Longest request or reply line, newline included.
 pub const MESSAGE_BYTES_MAX: usize = 64 * 1024;
 /// Most worker connections served at once; workers hold one each.
+/// While a worker waits to hand over a part, the hang watchdog hears from the agent this often.
+const BACKPRESSURE_TICK_MS: u64 = 1_000;
 pub const CONNECTIONS_MAX: usize = 4 * crate::cli::NPROC_PER_NODE_MAX as usize;
 
 /// A worker's request.
@@ -359,7 +361,7 @@ async fn serve_connection(
             Ok(req) => match state.handle(req) {
                 Err(message) => Reply::Error { message },
                 Ok((reply, None)) => reply,
-                Ok((reply, Some(part))) => match parts.send(part).await {
+                Ok((reply, Some(part))) => match hand_over_part(state, parts, part).await {
                     Ok(()) => reply,
                     Err(_) => Reply::Error {
                         message: "agent is shutting down".into(),
@@ -369,6 +371,52 @@ async fn serve_connection(
         };
         send(&mut write, &reply).await?;
     }
+}
+
+/// Queues a saved part for the agent loop. While earlier checkpoints are still being committed
+/// the queue is full and the worker waits for its reply: training cannot run more than a
+/// bounded number of checkpoints ahead of the store. The wait counts as progress for the hang
+/// watchdog (the agent, not the worker, is what holds the step), and as backpressure time.
+async fn hand_over_part(
+    state: &AgentState,
+    parts: &mpsc::Sender<Received>,
+    part: Received,
+) -> Result<(), mpsc::error::SendError<Received>> {
+    let started = Instant::now();
+    let send = parts.send(part);
+    tokio::pin!(send);
+    let mut tick = tokio::time::interval(Duration::from_millis(BACKPRESSURE_TICK_MS));
+    tick.tick().await;
+    let mut warned = false;
+    let r = loop {
+        tokio::select! {
+            r = &mut send => break r,
+            _ = tick.tick() => {
+                state.lock().last_progress = Some(Instant::now());
+                if !warned {
+                    warned = true;
+                    tracing::warn!(
+                        "earlier checkpoints are still being committed; the worker waits to hand over its part"
+                    );
+                }
+            }
+        }
+    };
+    let waited = started.elapsed();
+    if warned {
+        tracing::info!(
+            waited_ms = waited.as_millis() as u64,
+            "checkpoint part handed over after waiting"
+        );
+    }
+    state
+        .metrics
+        .checkpoint_backpressure_micros_total
+        .fetch_add(
+            waited.as_micros().min(u128::from(u64::MAX)) as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    r
 }
 
 /// Resolves once `shutdown` is true (or its sender is gone).
@@ -417,6 +465,50 @@ mod tests {
             parts: rx,
             stop,
         }
+    }
+
+    #[tokio::test]
+    async fn a_full_part_queue_holds_the_worker_and_keeps_the_watchdog_fed() {
+        let state = Arc::new(AgentState::new(PathBuf::from("/staging")));
+        state.begin_group(1, 1, 0..1);
+        let part = |step| Received {
+            part: StagedPart {
+                rank: 0,
+                step,
+                dir: PathBuf::from(format!("/staging/step-{step}/rank-0")),
+            },
+            epoch: 1,
+            generation: 1,
+            ranks: 0..1,
+            world_size: 1,
+        };
+        let (tx, mut rx) = mpsc::channel(1);
+        hand_over_part(&state, &tx, part(5)).await.unwrap();
+        assert!(
+            state.last_progress().is_none(),
+            "room: no wait, no progress faked"
+        );
+        let waiting = tokio::spawn({
+            let (state, tx) = (state.clone(), tx.clone());
+            async move { hand_over_part(&state, &tx, part(10)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(2 * BACKPRESSURE_TICK_MS + 200)).await;
+        assert!(
+            !waiting.is_finished(),
+            "the worker waits while the queue is full"
+        );
+        let fed = state
+            .last_progress()
+            .expect("the watchdog hears from the agent");
+        assert!(fed.elapsed() <= Duration::from_millis(BACKPRESSURE_TICK_MS));
+        assert_eq!(rx.recv().await.unwrap().part.step, 5);
+        waiting.await.unwrap().unwrap();
+        assert_eq!(rx.recv().await.unwrap().part.step, 10);
+        let waited_us = state
+            .metrics
+            .checkpoint_backpressure_micros_total
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert!(waited_us >= 2 * BACKPRESSURE_TICK_MS * 1000, "{waited_us}");
     }
 
     async fn roundtrip(conn: &mut BufReader<UnixStream>, line: &str) -> serde_json::Value {

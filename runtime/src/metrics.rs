@@ -30,6 +30,8 @@ pub struct Metrics {
     pub checkpoint_failures_total: AtomicU64,
     pub checkpoint_bytes_total: AtomicU64,
     checkpoint_commit_micros_total: AtomicU64,
+    /// Time workers spent waiting in `saved` because earlier checkpoints were not committed.
+    pub checkpoint_backpressure_micros_total: AtomicU64,
     /// Step + 1 of the newest commit; 0 = none yet.
     committed_step_plus_one: AtomicU64,
     pub drains_total: AtomicU64,
@@ -109,6 +111,15 @@ impl Metrics {
             "counter",
             "Bytes of committed checkpoints.",
             get(&self.checkpoint_bytes_total).to_string(),
+        );
+        metric(
+            "elastic_checkpoint_backpressure_seconds_total",
+            "counter",
+            "Time workers waited to hand over a checkpoint while earlier ones were still being committed.",
+            format!(
+                "{:.6}",
+                get(&self.checkpoint_backpressure_micros_total) as f64 / 1e6
+            ),
         );
         metric(
             "elastic_checkpoint_commit_seconds_total",

@@ -32,6 +32,9 @@ pub const FORMAT_VERSION: u32 = 1;
 const PROGRESS_INTERVAL_MS: u64 = 100;
 /// How long one request to the agent may take.
 const SOCKET_TIMEOUT_MS: u64 = 30_000;
+/// A `saved` reply waits while earlier checkpoints are still being committed (the agent bounds
+/// how far training runs ahead of the store); a slow store can hold it this long.
+const SAVED_TIMEOUT_MS: u64 = 1_800_000;
 /// Largest reply line read from the agent.
 const REPLY_BYTES_MAX: usize = 64 * 1024;
 /// Largest `meta.json` / `metadata.json` read.
@@ -110,6 +113,13 @@ struct Conn {
 }
 
 impl Conn {
+    fn set_read_timeout_ms(&self, ms: u64) -> Result<(), WorkerError> {
+        self.read
+            .get_ref()
+            .set_read_timeout(Some(Duration::from_millis(ms)))
+            .map_err(|e| WorkerError::Agent(format!("configure the socket: {e}")))
+    }
+
     fn request(&mut self, req: &Value) -> Result<Value, WorkerError> {
         let mut line = req.to_string();
         line.push('\n');
@@ -328,7 +338,11 @@ impl Worker {
         sync_dir(&step_dir)?;
         if let Some(c) = self.conn.as_mut() {
             let dir = fin.to_string_lossy().into_owned();
-            c.request(&json!({"type": "saved", "rank": self.rank, "step": step, "dir": dir}))?;
+            c.set_read_timeout_ms(SAVED_TIMEOUT_MS)?;
+            let r =
+                c.request(&json!({"type": "saved", "rank": self.rank, "step": step, "dir": dir}));
+            c.set_read_timeout_ms(SOCKET_TIMEOUT_MS)?;
+            r?;
         }
         Ok(fin)
     }

@@ -45,6 +45,7 @@ import shutil
 import socket
 import sys
 import time
+import warnings
 
 __all__ = [
     "init",
@@ -75,6 +76,9 @@ MESSAGE_BYTES_MAX = 64 * 1024
 # Progress reports are rate-limited: the watchdog works in seconds, not steps.
 PROGRESS_INTERVAL_S = 0.1
 SOCKET_TIMEOUT_S = 30.0
+# A `saved` reply waits while earlier checkpoints are still being committed (the agent bounds
+# how far training may run ahead of the store); a slow store can hold it this long.
+SAVED_TIMEOUT_S = 1800.0
 
 _TENSORS = "tensors.safetensors"
 _META = "meta.json"
@@ -188,7 +192,8 @@ class _Agent:
         self.sock = s
         self.buf = b""
 
-    def request(self, obj):
+    def request(self, obj, timeout_s=None):
+        timeout_s = SOCKET_TIMEOUT_S if timeout_s is None else timeout_s
         line = json.dumps(obj, separators=(",", ":")).encode() + b"\n"
         if len(line) > MESSAGE_BYTES_MAX:
             raise AgentError(f"message of {len(line)} bytes exceeds {MESSAGE_BYTES_MAX}")
@@ -196,8 +201,14 @@ class _Agent:
             try:
                 if self.sock is None:
                     self._connect()
+                self.sock.settimeout(timeout_s)
                 self.sock.sendall(line)
                 return self._read_reply()
+            except socket.timeout:
+                # The agent got the request and has not answered: sending it again would not
+                # help (and would repeat it).
+                self.close()
+                raise AgentError(f"no reply from the agent within {timeout_s:g} s to {obj.get('type')!r}") from None
             except OSError:
                 # One reconnect: the agent may have closed an idle connection.
                 self.close()
@@ -235,6 +246,7 @@ _last_progress = 0.0
 # agent repeats its request in every reply until a newer one replaces it).
 _checkpoint_at = None
 _checkpoint_request_seen = None
+_warned_no_staging = False
 
 
 def _agent_conn():
@@ -249,13 +261,14 @@ def _agent_conn():
 
 
 def _reset_for_tests():
-    global _agent, _last_progress, _checkpoint_at, _checkpoint_request_seen
+    global _agent, _last_progress, _checkpoint_at, _checkpoint_request_seen, _warned_no_staging
     if _agent is not None:
         _agent.close()
     _agent = None
     _last_progress = 0.0
     _checkpoint_at = None
     _checkpoint_request_seen = None
+    _warned_no_staging = False
 
 
 def report_progress(step, force=False):
@@ -436,12 +449,25 @@ def save(step, model=None, optimizer=None, extra=None):
     ``extra`` is a dict of JSON values and tensors (RNG states, data position...). Every rank
     must call this at the same step with the same replicated state. Returns the directory
     written.
-    """
-    from safetensors.torch import save_file
 
+    Outside elastic-run (plain ``torchrun`` or ``python``, no ``$ELASTIC_STAGING_DIR``) there
+    is no agent to commit a snapshot: it warns once and returns None, so one script runs under
+    both launchers.
+    """
+    global _warned_no_staging
     staging = os.environ.get("ELASTIC_STAGING_DIR")
     if not staging:
-        raise RuntimeError("ELASTIC_STAGING_DIR is not set: run under elastic-run")
+        if not _warned_no_staging:
+            _warned_no_staging = True
+            warnings.warn(
+                "elastic_run.save: ELASTIC_STAGING_DIR is not set (not under elastic-run); "
+                "checkpoints are not written",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return None
+    from safetensors.torch import save_file
+
     step, r, w = int(step), rank(), world_size()
     tensors, rest = _flatten(model, optimizer, extra)
     owner = assign_keys({k: v.numel() * v.element_size() for k, v in tensors.items()}, w)
@@ -490,7 +516,7 @@ def save(step, model=None, optimizer=None, extra=None):
     _fsync_dir(step_dir)
     conn = _agent_conn()
     if conn is not None:
-        conn.request({"type": "saved", "rank": r, "step": step, "dir": final})
+        conn.request({"type": "saved", "rank": r, "step": step, "dir": final}, timeout_s=SAVED_TIMEOUT_S)
     return final
 
 

@@ -6,7 +6,9 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import unittest
+import warnings
 from unittest import mock
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -22,8 +24,9 @@ def read_json(path):
 class FakeAgent:
     """A Unix-socket agent that records requests and answers like the real one."""
 
-    def __init__(self, path, should_stop=False, checkpoint_at=None, refuse_saved=False):
+    def __init__(self, path, should_stop=False, checkpoint_at=None, refuse_saved=False, saved_delay_s=0.0):
         self.path = path
+        self.saved_delay_s = saved_delay_s
         self.requests = []
         self.should_stop = should_stop
         self.checkpoint_at = checkpoint_at
@@ -50,6 +53,8 @@ class FakeAgent:
         for line in f:
             req = json.loads(line)
             self.requests.append(req)
+            if req["type"] == "saved" and self.saved_delay_s:
+                time.sleep(self.saved_delay_s)
             if req["type"] == "query":
                 rep = {"type": "state", "should_stop": self.should_stop,
                        "should_checkpoint_at": self.checkpoint_at, "generation": 2}
@@ -243,6 +248,44 @@ class Snapshots(Env):
         self.env(ELASTIC_STAGING_DIR=os.path.join(self.tmp.name, "s"), ELASTIC_AGENT_SOCKET=path, RANK=0, WORLD_SIZE=1)
         with self.assertRaisesRegex(er.AgentError, "outside staging"):
             er.save(1, model=model)
+
+    def test_save_outside_elastic_run_warns_once_and_writes_nothing(self):
+        model, opt = self.make(0)
+        self.env(RANK=0, WORLD_SIZE=1)
+        os.environ.pop("ELASTIC_STAGING_DIR", None)
+        os.environ.pop("ELASTIC_AGENT_SOCKET", None)
+        cwd = os.getcwd()
+        os.chdir(self.tmp.name)
+        self.addCleanup(os.chdir, cwd)
+        with self.assertWarnsRegex(RuntimeWarning, "ELASTIC_STAGING_DIR"):
+            self.assertIsNone(er.save(5, model=model, optimizer=opt))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertIsNone(er.save(10, model=model, optimizer=opt))
+        self.assertEqual(caught, [])
+        self.assertEqual(os.listdir(self.tmp.name), [])
+
+    def test_saved_waits_for_a_backed_up_agent_beyond_the_socket_timeout(self):
+        path = os.path.join(self.tmp.name, "a.sock")
+        agent = FakeAgent(path, saved_delay_s=0.6)
+        self.addCleanup(agent.close)
+        model, _ = self.make(0)
+        self.env(ELASTIC_STAGING_DIR=os.path.join(self.tmp.name, "s"), ELASTIC_AGENT_SOCKET=path, RANK=0, WORLD_SIZE=1)
+        with mock.patch.object(er, "SOCKET_TIMEOUT_S", 0.2), mock.patch.object(er, "SAVED_TIMEOUT_S", 10.0):
+            er.save(1, model=model)
+        self.assertEqual([q["step"] for q in agent.requests if q["type"] == "saved"], [1])
+
+    def test_saved_without_reply_raises_once_and_is_not_resent(self):
+        path = os.path.join(self.tmp.name, "a.sock")
+        agent = FakeAgent(path, saved_delay_s=1.0)
+        self.addCleanup(agent.close)
+        model, _ = self.make(0)
+        self.env(ELASTIC_STAGING_DIR=os.path.join(self.tmp.name, "s"), ELASTIC_AGENT_SOCKET=path, RANK=0, WORLD_SIZE=1)
+        with mock.patch.object(er, "SAVED_TIMEOUT_S", 0.2):
+            with self.assertRaisesRegex(er.AgentError, "no reply from the agent within 0.2 s to 'saved'"):
+                er.save(1, model=model)
+        time.sleep(0.3)
+        self.assertEqual([q["step"] for q in agent.requests if q["type"] == "saved"], [1])
 
     def test_tied_weights_are_saved(self):
         torch = self.torch
