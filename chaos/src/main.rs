@@ -54,6 +54,21 @@ fn random_seed() -> u64 {
     t ^ (u64::from(std::process::id()) << 32)
 }
 
+/// Characters of a check's detail printed on the console; report.json has all of it.
+const DETAIL_CHARS_MAX: usize = 600;
+
+fn shorten(detail: &str) -> String {
+    let n = detail.chars().count();
+    if n <= DETAIL_CHARS_MAX {
+        return detail.to_string();
+    }
+    let head: String = detail.chars().take(DETAIL_CHARS_MAX).collect();
+    format!(
+        "{head}... ({} more characters in report.json)",
+        n - DETAIL_CHARS_MAX
+    )
+}
+
 fn print_report(r: &chaos::report::Report, out: &std::path::Path) {
     println!(
         "scenario {} seed {}: {}",
@@ -72,7 +87,7 @@ fn print_report(r: &chaos::report::Report, out: &std::path::Path) {
             "  [{}] {}: {}",
             if c.ok { "ok" } else { "VIOLATED" },
             c.name,
-            c.detail
+            shorten(&c.detail)
         );
     }
     println!(
