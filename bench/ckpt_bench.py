@@ -227,7 +227,7 @@ def bench_durable(a, model, opt, base, disk, moto):
         seq[0] += 1
         return seq[0]
 
-    def m_er(url_of, env=None, compress=True, cleanup=None):
+    def m_er(url_of, env=None, compress="auto", cleanup=None):
         def run():
             n = nxt()
             staging = os.path.join(base, f"er-{n}")
@@ -235,8 +235,7 @@ def bench_durable(a, model, opt, base, disk, moto):
             url = url_of(n)
             argv = [ckpt, "--json", "--concurrency", "4", "push", os.path.join(staging, f"step-{n}"), url,
                     "--step", str(n)]
-            if not compress:
-                argv.append("--no-compress")
+            argv += ["--compress", compress]
             push, js = run_tool(argv, env)
             rm(staging)
             if cleanup:
@@ -293,7 +292,7 @@ def bench_durable(a, model, opt, base, disk, moto):
 
     methods = [
         ("elastic_run.save + checkpoint push (file)", m_er(file_url("er"), cleanup=file_rm("er"))),
-        ("same, uncompressed (file)", m_er(file_url("eru"), compress=False, cleanup=file_rm("eru"))),
+        ("same, compressed (file)", m_er(file_url("erc"), compress="always", cleanup=file_rm("erc"))),
         ("raw object_store put (file)", m_raw(file_url("raw"), cleanup=file_rm("raw"))),
         ("dcp.save (file)", m_dcp),
         ("dcp.async_save, until done (file)", m_dcp_async),

@@ -1,7 +1,9 @@
 //! Save/restore throughput against raw `object_store` on `file://`, and compression ratios.
 //!
 //! `cargo run --release -p checkpoint --example bench -- [TOTAL_MIB] [DIR]`
-//! (defaults: 2048 MiB under the system temp dir). Prints a Markdown table to stdout.
+//! (defaults: 2048 MiB under the system temp dir; `BENCH_REPS` repetitions, default 3, each
+//! running every method in an order rotated by one). Prints a Markdown table of medians to
+//! stdout. `bench codec` prints the compression rows only.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -97,11 +99,85 @@ fn write_state(dir: &Path, total: usize) -> u64 {
     written
 }
 
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+struct SaveRestore {
+    save_s: f64,
+    restore_s: f64,
+    ratio: f64,
+    save_peak_mib: f64,
+    restore_peak_mib: f64,
+}
+
+/// One save (every chunk durable, then the manifest) and one restore of the staged state.
+async fn save_restore(
+    base: &Path,
+    staging: &Path,
+    compress: bool,
+    cancel: &CancellationToken,
+) -> SaveRestore {
+    let dir = base.join(format!("ckpt-{compress}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let store = Store::open(&format!("file://{}", dir.display())).unwrap();
+    peak_rss_mib_reset();
+    let t = Instant::now();
+    let opts = SaveOptions {
+        chunk_bytes_max: CHUNK_BYTES,
+        concurrency: CONCURRENCY,
+        compress,
+        progress: None,
+    };
+    let input = PartInput {
+        writer: "bench".into(),
+        source: PartSource::Dir(staging.to_path_buf()),
+        shards: Default::default(),
+    };
+    store.save_part(1, input, &opts, cancel).await.unwrap();
+    let req = CommitRequest {
+        world_size: 1,
+        writers: vec!["bench".into()],
+        metadata: serde_json::Value::Null,
+    };
+    let m = store
+        .commit(1, req, cancel)
+        .await
+        .unwrap()
+        .manifest()
+        .clone();
+    let save_s = t.elapsed().as_secs_f64();
+    let save_peak_mib = peak_rss_mib_reset();
+    let t = Instant::now();
+    let out = base.join(format!("restore-{compress}"));
+    let ropts = ReadOptions {
+        concurrency: CONCURRENCY,
+        progress: None,
+    };
+    store
+        .restore(Some(1), 0, 1, &out, &ropts, cancel)
+        .await
+        .unwrap();
+    let restore_s = t.elapsed().as_secs_f64();
+    let restore_peak_mib = peak_rss_mib_reset();
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_dir_all(&dir);
+    SaveRestore {
+        save_s,
+        restore_s,
+        ratio: m.raw_bytes() as f64 / m.stored_bytes() as f64,
+        save_peak_mib,
+        restore_peak_mib,
+    }
+}
+
 fn mib_s(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / 1048576.0 / secs
 }
 
-async fn raw_put_get(files: &[PathBuf], root: &Path, fsync: bool) -> (f64, f64, u64) {
+async fn raw_put_get(files: &[PathBuf], root: &Path, fsync: bool) -> (f64, f64, f64, u64) {
     let _ = std::fs::remove_dir_all(root);
     std::fs::create_dir_all(root).unwrap();
     let root = root.to_path_buf();
@@ -161,7 +237,7 @@ async fn raw_put_get(files: &[PathBuf], root: &Path, fsync: bool) -> (f64, f64, 
         .unwrap();
     let put_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    futures::stream::iter(jobs)
+    futures::stream::iter(jobs.clone())
         .map(|(fi, ci, ..)| {
             let store = store.clone();
             async move {
@@ -174,7 +250,50 @@ async fn raw_put_get(files: &[PathBuf], root: &Path, fsync: bool) -> (f64, f64, 
         .try_collect::<Vec<_>>()
         .await
         .unwrap();
-    (put_s, t.elapsed().as_secs_f64(), total)
+    let get_s = t.elapsed().as_secs_f64();
+    // What a restore does with the bytes: gets written into one file per source at their
+    // offsets, then fsynced.
+    let out_dir = root.join("out");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let outs: Arc<Vec<std::fs::File>> = Arc::new(
+        files
+            .iter()
+            .enumerate()
+            .map(|(fi, src)| {
+                let f = std::fs::File::create(out_dir.join(format!("{fi}.bin"))).unwrap();
+                f.set_len(std::fs::metadata(src).unwrap().len()).unwrap();
+                f
+            })
+            .collect(),
+    );
+    let t = Instant::now();
+    futures::stream::iter(jobs)
+        .map(|(fi, ci, _, start, _)| {
+            let (store, outs) = (store.clone(), outs.clone());
+            async move {
+                let p = object_store::path::Path::from(format!("raw/{fi}/{ci}.bin"));
+                let b = store.get(&p).await?.bytes().await?;
+                tokio::task::spawn_blocking(move || {
+                    use std::os::unix::fs::FileExt;
+                    outs[fi].write_all_at(&b, start).unwrap();
+                })
+                .await
+                .unwrap();
+                Ok::<_, object_store::Error>(())
+            }
+        })
+        .buffer_unordered(CONCURRENCY)
+        .try_collect::<Vec<_>>()
+        .await
+        .unwrap();
+    for f in outs.iter() {
+        f.sync_all().unwrap();
+    }
+    std::fs::File::open(&out_dir).unwrap().sync_all().unwrap();
+    let get_write_s = t.elapsed().as_secs_f64();
+    drop(outs);
+    let _ = std::fs::remove_dir_all(&out_dir);
+    (put_s, get_s, get_write_s, total)
 }
 
 fn compression_rows() -> Vec<String> {
@@ -211,6 +330,12 @@ fn compression_rows() -> Vec<String> {
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).is_some_and(|a| a == "codec") {
+        // Compression rows only: `bench codec`.
+        println!("| data | plain zstd | byte planes |\n|---|---|---|");
+        compression_rows().iter().for_each(|r| println!("{r}"));
+        return;
+    }
     let total_mib: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2048);
     let base = args
         .get(2)
@@ -224,81 +349,88 @@ async fn main() {
         .collect();
     eprintln!("state written: {} MiB", bytes >> 20);
 
-    let (nosync_s, _, raw_total) = raw_put_get(&files, &base.join("raw"), false).await;
-    let (put_s, get_s, _) = raw_put_get(&files, &base.join("raw"), true).await;
+    let reps: usize = std::env::var("BENCH_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3)
+        .max(1);
+    let (nosync_s, _, _, raw_total) = raw_put_get(&files, &base.join("raw"), false).await;
+    let cancel = CancellationToken::new();
+    // Each repetition runs raw puts/gets, save/restore of raw chunks and of compressed chunks,
+    // in an order rotated by one each time; the table gives medians and ranges.
+    let mut raw_put = Vec::new();
+    let mut raw_get = Vec::new();
+    let mut raw_get_write = Vec::new();
+    let mut runs: [Vec<SaveRestore>; 2] = [Vec::new(), Vec::new()];
+    for rep in 0..reps {
+        for k in 0..3 {
+            match (rep + k) % 3 {
+                0 => {
+                    let (put_s, get_s, get_write_s, _) =
+                        raw_put_get(&files, &base.join("raw"), true).await;
+                    raw_put.push(put_s);
+                    raw_get.push(get_s);
+                    raw_get_write.push(get_write_s);
+                }
+                which => {
+                    let compress = which == 2;
+                    let r = save_restore(&base, &staging, compress, &cancel).await;
+                    runs[usize::from(compress)].push(r);
+                }
+            }
+        }
+        eprintln!("repetition {} of {reps} done", rep + 1);
+    }
+    let (put_s, get_s, get_write_s) = (median(&raw_put), median(&raw_get), median(&raw_get_write));
+    let range = |v: &[f64]| {
+        let (lo, hi) = v
+            .iter()
+            .fold((f64::MAX, 0f64), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
+        format!("{:.0}-{:.0}", mib_s(raw_total, hi), mib_s(raw_total, lo))
+    };
     let mut rows = vec![
         format!(
-            "| raw object_store put ({CONCURRENCY}×32 MiB), no fsync | {:.0} MiB/s | not durable |",
+            "| raw object_store put ({CONCURRENCY}×32 MiB), no fsync | {:.0} MiB/s | not durable (one run) |",
             mib_s(raw_total, nosync_s)
         ),
         format!(
-            "| raw object_store put + fsync | {:.0} MiB/s | baseline for save |",
-            mib_s(raw_total, put_s)
+            "| raw object_store put + fsync | {:.0} MiB/s ({} MiB/s, n={reps}) | baseline for save |",
+            mib_s(raw_total, put_s),
+            range(&raw_put)
         ),
         format!(
-            "| raw object_store get | {:.0} MiB/s | baseline for restore, which also writes and fsyncs its output |",
-            mib_s(raw_total, get_s)
+            "| raw object_store get | {:.0} MiB/s ({} MiB/s, n={reps}) | into memory only |",
+            mib_s(raw_total, get_s),
+            range(&raw_get)
+        ),
+        format!(
+            "| raw object_store get + write + fsync | {:.0} MiB/s ({} MiB/s, n={reps}) | baseline for restore, which writes and fsyncs its output too |",
+            mib_s(raw_total, get_write_s),
+            range(&raw_get_write)
         ),
     ];
-    let cancel = CancellationToken::new();
-    for compress in [false, true] {
-        let url = format!("file://{}", base.join(format!("ckpt-{compress}")).display());
-        let store = Store::open(&url).unwrap();
-        peak_rss_mib_reset();
-        let t = Instant::now();
-        let opts = SaveOptions {
-            chunk_bytes_max: CHUNK_BYTES,
-            concurrency: CONCURRENCY,
-            compress,
-            progress: None,
-        };
-        let input = PartInput {
-            writer: "bench".into(),
-            source: PartSource::Dir(staging.clone()),
-            shards: Default::default(),
-        };
-        store.save_part(1, input, &opts, &cancel).await.unwrap();
-        let req = CommitRequest {
-            world_size: 1,
-            writers: vec!["bench".into()],
-            metadata: serde_json::Value::Null,
-        };
-        let m = store
-            .commit(1, req, &cancel)
-            .await
-            .unwrap()
-            .manifest()
-            .clone();
-        let save_s = t.elapsed().as_secs_f64();
-        let save_peak = peak_rss_mib_reset();
-        let t = Instant::now();
-        let out = base.join(format!("restore-{compress}"));
-        let ropts = ReadOptions {
-            concurrency: CONCURRENCY,
-            progress: None,
-        };
-        store
-            .restore(Some(1), 0, 1, &out, &ropts, &cancel)
-            .await
-            .unwrap();
-        let restore_s = t.elapsed().as_secs_f64();
-        let restore_peak = peak_rss_mib_reset();
-        let _ = std::fs::remove_dir_all(&out);
+    for (compress, rs) in [(false, &runs[0]), (true, &runs[1])] {
         let label = if compress { "compressed" } else { "raw chunks" };
+        let save: Vec<f64> = rs.iter().map(|r| r.save_s).collect();
+        let restore: Vec<f64> = rs.iter().map(|r| r.restore_s).collect();
+        let (save_s, restore_s) = (median(&save), median(&restore));
+        let peak = |f: fn(&SaveRestore) -> f64| rs.iter().map(f).fold(0f64, f64::max);
         rows.push(format!(
-            "| save, {label} (ratio {:.3}x) | {:.0} MiB/s ({:.0}% of raw put) | peak RSS {:.0} MiB |",
-            m.raw_bytes() as f64 / m.stored_bytes() as f64,
+            "| save, {label} (ratio {:.3}x) | {:.0} MiB/s ({} MiB/s, n={reps}; {:.0}% of raw put) | peak RSS {:.0} MiB |",
+            rs[0].ratio,
             mib_s(bytes, save_s),
+            range(&save),
             100.0 * put_s / save_s,
-            save_peak
+            peak(|r| r.save_peak_mib)
         ));
         rows.push(format!(
-            "| restore, {label} | {:.0} MiB/s ({:.0}% of raw get) | peak RSS {:.0} MiB |",
+            "| restore, {label} | {:.0} MiB/s ({} MiB/s, n={reps}; {:.0}% of raw get + write + fsync, {:.0}% of raw get) | peak RSS {:.0} MiB |",
             mib_s(bytes, restore_s),
+            range(&restore),
+            100.0 * get_write_s / restore_s,
             100.0 * get_s / restore_s,
-            restore_peak
+            peak(|r| r.restore_peak_mib)
         ));
-        let _ = std::fs::remove_dir_all(base.join(format!("ckpt-{compress}")));
     }
     rows.extend(compression_rows());
     let _ = std::fs::remove_dir_all(&base);

@@ -102,6 +102,8 @@ pub use error::{Error, Result};
 pub use format::{Manifest, PartRecord, ShardSpec};
 pub use restore::{ReadOptions, RestoreReport};
 pub use retention::RetentionPolicy;
-pub use save::{CommitOutcome, CommitRequest, PartInput, PartSource, SaveOptions, split_by_bytes};
+pub use save::{
+    CommitOutcome, CommitRequest, Compression, PartInput, PartSource, SaveOptions, split_by_bytes,
+};
 pub use store::{Store, StoreOptions};
 pub use tokio_util::sync::CancellationToken;

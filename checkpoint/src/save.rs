@@ -54,6 +54,30 @@ pub struct PartInput {
     pub shards: BTreeMap<String, ShardSpec>,
 }
 
+/// Whether to compress chunks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Compression {
+    /// On remote object stores, not on `file://` or `memory://`
+    /// ([`Store::compression_pays`]).
+    #[default]
+    Auto,
+    /// Try every chunk (each is still stored raw when compression does not pay).
+    Always,
+    /// Store every chunk raw.
+    Never,
+}
+
+impl Compression {
+    /// The `compress` flag of [`SaveOptions`] for saves into `store`.
+    pub fn for_store(self, store: &Store) -> bool {
+        match self {
+            Compression::Auto => store.compression_pays(),
+            Compression::Always => true,
+            Compression::Never => false,
+        }
+    }
+}
+
 /// Tunables for a save.
 #[derive(Clone)]
 pub struct SaveOptions {

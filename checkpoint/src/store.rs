@@ -175,6 +175,13 @@ impl Store {
     }
 
     /// The store's URL, with credentials removed.
+    /// Whether chunk compression pays by default on this store: on remote object stores the
+    /// network is the bottleneck and fewer bytes go faster; on a local file system or in memory
+    /// the CPU spent compressing costs more than the bytes it saves (see `BENCHMARKS.md`).
+    pub fn compression_pays(&self) -> bool {
+        self.local_root.is_none() && !self.display.starts_with("memory://")
+    }
+
     pub fn url(&self) -> &str {
         &self.display
     }
@@ -476,6 +483,26 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compression_pays_on_remote_stores_only() {
+        use crate::Compression;
+        let dir = tempfile::tempdir().unwrap();
+        let local = Store::open(&format!("file://{}", dir.path().display())).unwrap();
+        let mem = Store::open("memory://").unwrap();
+        let s3 = Store::open_with_options(
+            "s3://bucket/job",
+            [
+                ("aws_region", "us-east-1"),
+                ("aws_access_key_id", "k"),
+                ("aws_secret_access_key", "s"),
+            ],
+        )
+        .unwrap();
+        assert!(!local.compression_pays() && !mem.compression_pays() && s3.compression_pays());
+        assert!(!Compression::Auto.for_store(&local) && Compression::Auto.for_store(&s3));
+        assert!(Compression::Always.for_store(&local) && !Compression::Never.for_store(&s3));
+    }
 
     #[test]
     fn urls_in_errors_and_display_carry_no_credentials() {

@@ -537,7 +537,11 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
     // Removes a default staging dir when the agent returns, on every path.
     let staging_guard = Staging::prepare(cli.staging_dir.as_deref(), &run_id, &node_id)?;
     let staging = staging_guard.path.clone();
-    let sink = StoreSink::open(&url, staging.join(RESTORE_DIR), SinkOptions::default())
+    let sink_opts = SinkOptions {
+        compression: cli.checkpoint_compress,
+        ..SinkOptions::default()
+    };
+    let sink = StoreSink::open(&url, staging.join(RESTORE_DIR), sink_opts)
         .map_err(|e| usage(format!("--checkpoint-url {url}: {e}")))?;
     let sink = Arc::new(sink);
     let socket_path = run_dir.path.join("agent.sock");

@@ -144,6 +144,12 @@ pub struct Cli {
           value_parser = parse_checkpoint_url)]
     pub checkpoint_url: CheckpointUrl,
 
+    /// Chunk compression of checkpoints: `auto` compresses on remote object stores (s3, az,
+    /// gs) and not on a local directory, where it costs more CPU than the bytes it saves.
+    #[arg(long = "checkpoint-compress", env = "ELASTIC_CHECKPOINT_COMPRESS", value_enum,
+          default_value_t = checkpoint::Compression::Auto)]
+    pub checkpoint_compress: checkpoint::Compression,
+
     /// Checkpoint every N steps (0: only on drain and when workers decide).
     #[arg(long = "checkpoint-interval", env = "ELASTIC_CHECKPOINT_INTERVAL",
           default_value_t = CHECKPOINT_INTERVAL_DEFAULT)]

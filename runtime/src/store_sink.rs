@@ -83,7 +83,10 @@ pub struct SinkOptions {
     /// Committed steps kept by retention (at least 1).
     pub keep_steps: usize,
     /// Chunking, compression and upload concurrency (bounds memory per part).
+    /// [`StoreSink::open`] sets `save.compress` from `compression` and the store.
     pub save: SaveOptions,
+    /// Whether chunks are compressed (`auto`: on remote object stores only).
+    pub compression: checkpoint::Compression,
     /// Download concurrency of restores.
     pub read: ReadOptions,
     /// Backend configuration keys applied after the environment (`aws_endpoint`,
@@ -98,6 +101,7 @@ impl Default for SinkOptions {
             retry_pause_ms: 200,
             keep_steps: 3,
             save: SaveOptions::default(),
+            compression: checkpoint::Compression::Auto,
             read: ReadOptions::default(),
             store_config: Vec::new(),
         }
@@ -112,6 +116,7 @@ impl std::fmt::Debug for SinkOptions {
             .field("retry_pause_ms", &self.retry_pause_ms)
             .field("keep_steps", &self.keep_steps)
             .field("save", &self.save)
+            .field("compression", &self.compression)
             .field("read_concurrency", &self.read.concurrency)
             .field("store_config_keys", &keys)
             .finish()
@@ -257,6 +262,8 @@ impl StoreSink {
                     source: Box::new(source),
                 }
             })?;
+        let mut opts = opts;
+        opts.save.compress = opts.compression.for_store(&store);
         Ok(Self::with_store(store, restore_root, opts))
     }
 
