@@ -544,27 +544,7 @@ pub fn workers(pid: i32, script: &str) -> Vec<i32> {
 
 /// Direct children of `pid`.
 pub fn children(pid: i32) -> Vec<i32> {
-    let mut out = vec![];
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for e in dir.flatten() {
-        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
-            continue;
-        };
-        let ppid = stat
-            .rsplit_once(')')
-            .and_then(|(_, r)| r.split_whitespace().nth(1))
-            .and_then(|x| x.parse::<i32>().ok());
-        if ppid == Some(pid) {
-            out.push(p);
-        }
-    }
-    out.sort_unstable();
-    out
+    services::child_pids(pid)
 }
 
 /// Processes whose command line or environment names `job`, excluding zombies.

@@ -190,13 +190,7 @@ pub fn rendezvous_config(
     scaling: &ScalingConfig,
 ) -> Result<RendezvousConfig> {
     let policy = scaling.to_policy().map_err(|e| usage(e.to_string()))?;
-    let endpoints: Vec<String> = cli
-        .rdzv_endpoint
-        .split(',')
-        .map(str::trim)
-        .filter(|e| !e.is_empty())
-        .map(String::from)
-        .collect();
+    let endpoints = split_endpoints(&cli.rdzv_endpoint);
     let addr = cli.local_addr.clone().unwrap_or_else(default_local_addr);
     let mut cfg = RendezvousConfig::new(
         endpoints,
@@ -907,7 +901,11 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
             break 'job 128 + libc::SIGTERM as u8;
         }
         match outcome {
-            Outcome::Succeeded if drain.is_none() => {
+            Outcome::Succeeded
+                if drain.is_none()
+                    && (state.peer_stop().is_none()
+                        || matches!(membership, Membership::Fixed(_))) =>
+            {
                 tracing::info!("workers finished");
                 let flushed = flush(&mut committer, Duration::from_millis(FLUSH_TIMEOUT_MS)).await;
                 if let Membership::Etcd(m) = &mut membership {
@@ -923,9 +921,18 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
                 let _ = leave(&mut membership).await;
                 break 'job if flushed { 0 } else { 1 };
             }
-            Outcome::Succeeded | Outcome::Drained { .. } if drain.is_some() => {
+            Outcome::Succeeded | Outcome::Drained { .. }
+                if drain.is_some() || state.peer_stop().is_some() =>
+            {
                 // A peer's drain: our workers saved the agreed step too; commit it and wait
-                // for the generation without the peer.
+                // for the generation without the peer. The workers may be the first to know
+                // (they agree on stopping among themselves while etcd is unreachable).
+                if drain.is_none() {
+                    tracing::warn!(
+                        step = state.peer_stop(),
+                        "workers stopped for a drain of another node that this one did not hear of; waiting for the next generation"
+                    );
+                }
                 let clean = matches!(
                     outcome,
                     Outcome::Succeeded | Outcome::Drained { clean: true }
@@ -1024,18 +1031,7 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
                         .unwrap_or(1);
                 }
                 restarts += 1;
-                state
-                    .metrics
-                    .worker_restarts_total
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tracing::warn!(
-                    rank = f.rank,
-                    exit_code = f.exit_code,
-                    restart = restarts,
-                    max_restarts = node.max_restarts,
-                    "worker failed; restarting: {}",
-                    f.message.lines().last().unwrap_or("")
-                );
+                supervisor::note_restart(&state, &f, restarts, node.max_restarts);
                 committer
                     .settle(Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS))
                     .await;
@@ -1442,6 +1438,15 @@ fn remove_staged(staging: &Path) {
 /// Standalone when asked, or when one node runs with no rendezvous endpoint (torchrun's rule).
 pub fn is_standalone(cli: &Cli) -> bool {
     cli.standalone || (cli.nnodes.max == 1 && cli.rdzv_endpoint.is_empty())
+}
+
+/// `--rdzv-endpoint`'s comma-separated list, blanks dropped.
+pub fn split_endpoints(list: &str) -> Vec<String> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(String::from)
+        .collect()
 }
 
 /// This host's name when it resolves to an address, else the loopback address.

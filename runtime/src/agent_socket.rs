@@ -52,9 +52,22 @@ pub const CONNECTIONS_MAX: usize = 4 * crate::cli::NPROC_PER_NODE_MAX as usize;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Request {
-    Progress { rank: u32, step: u64 },
-    Saved { rank: u32, step: u64, dir: String },
+    Progress {
+        rank: u32,
+        step: u64,
+    },
+    Saved {
+        rank: u32,
+        step: u64,
+        dir: String,
+    },
     Query {},
+    /// The workers agreed to stop at `step` because another node's agent asked (a peer's
+    /// drain), not this one: their clean exit does not mean the job is done.
+    PeerStop {
+        rank: u32,
+        step: u64,
+    },
 }
 
 /// The agent's reply.
@@ -113,6 +126,8 @@ struct Inner {
     ranks: Range<u32>,
     should_stop: bool,
     should_checkpoint_at: Option<u64>,
+    /// The step the workers stopped at for a peer's drain, if they said so.
+    peer_stop: Option<u64>,
     last_progress: Option<Instant>,
     last_step: Option<u64>,
     /// Whether any worker has spoken the protocol in this generation: only such workers can
@@ -134,6 +149,7 @@ impl AgentState {
                 ranks: 0..0,
                 should_stop: false,
                 should_checkpoint_at: None,
+                peer_stop: None,
                 last_progress: None,
                 last_step: None,
                 client_seen: false,
@@ -161,6 +177,12 @@ impl AgentState {
         s.last_progress = None;
         s.client_seen = false;
         s.should_checkpoint_at = None;
+        s.peer_stop = None;
+    }
+
+    /// The step the workers of this group stopped at for a peer's drain, if they said so.
+    pub fn peer_stop(&self) -> Option<u64> {
+        self.lock().peer_stop
     }
 
     /// Ask workers to save and exit.
@@ -246,6 +268,11 @@ impl AgentState {
                     world_size: s.world_size,
                 };
                 Ok((Reply::Ok, Some(received)))
+            }
+            Request::PeerStop { rank, step } => {
+                check_rank(&s.ranks, rank)?;
+                s.peer_stop = Some(s.peer_stop.map_or(step, |p| p.max(step)));
+                Ok((Reply::Ok, None))
             }
             Request::Query {} => Ok((
                 Reply::State {
@@ -465,6 +492,28 @@ mod tests {
             parts: rx,
             stop,
         }
+    }
+
+    #[test]
+    fn a_peer_stop_is_kept_for_the_group_and_checked_for_rank() {
+        let state = AgentState::new(PathBuf::from("/staging"));
+        state.begin_group(2, 4, 2..4);
+        assert_eq!(state.peer_stop(), None);
+        assert!(
+            state
+                .handle(Request::PeerStop { rank: 0, step: 9 })
+                .is_err()
+        );
+        assert_eq!(state.peer_stop(), None, "a foreign rank changes nothing");
+        state
+            .handle(Request::PeerStop { rank: 2, step: 9 })
+            .unwrap();
+        state
+            .handle(Request::PeerStop { rank: 3, step: 7 })
+            .unwrap();
+        assert_eq!(state.peer_stop(), Some(9));
+        state.begin_group(3, 2, 0..1);
+        assert_eq!(state.peer_stop(), None, "a new group starts clean");
     }
 
     #[tokio::test]

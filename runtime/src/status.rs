@@ -45,13 +45,7 @@ pub async fn run(cli: StatusCli) -> u8 {
 }
 
 async fn collect(cli: &StatusCli) -> anyhow::Result<Value> {
-    let endpoints: Vec<String> = cli
-        .rdzv_endpoint
-        .split(',')
-        .map(str::trim)
-        .filter(|e| !e.is_empty())
-        .map(String::from)
-        .collect();
+    let endpoints = crate::agent::split_endpoints(&cli.rdzv_endpoint);
     let connect = elastic::etcd::Connect::new(endpoints);
     let st = elastic::status(&connect, &cli.rdzv_id).await?;
     let mut out = json!({

@@ -89,6 +89,27 @@ pub enum Outcome {
     Stopped,
 }
 
+/// Counts and logs a restart of the worker group after `failure` (restart number `restart`).
+pub(crate) fn note_restart(
+    state: &AgentState,
+    failure: &WorkerFailure,
+    restart: u32,
+    max_restarts: u32,
+) {
+    state
+        .metrics
+        .worker_restarts_total
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tracing::warn!(
+        rank = failure.rank,
+        exit_code = failure.exit_code,
+        restart,
+        max_restarts,
+        "worker failed; restarting the group: {}",
+        failure.message.lines().last().unwrap_or("")
+    );
+}
+
 /// The failure that ended a job: which worker, its exit code and what it said.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerFailure {
@@ -188,18 +209,7 @@ pub async fn run(
             return Outcome::Failed(failure);
         }
         restarts += 1;
-        state
-            .metrics
-            .worker_restarts_total
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        tracing::warn!(
-            rank = failure.rank,
-            exit_code = failure.exit_code,
-            restart = restarts,
-            max_restarts = cfg.max_restarts,
-            "worker failed; restarting the group: {}",
-            failure.message.lines().last().unwrap_or("")
-        );
+        note_restart(&state, &failure, restarts, cfg.max_restarts);
         if let Some(r) = state.resume() {
             view.resume = Some(r);
         }

@@ -259,6 +259,17 @@ impl Worker {
         Ok(v["should_stop"].as_bool().unwrap_or(false))
     }
 
+    /// Tells the agent that the workers agreed to stop at `step` because another node's agent
+    /// asked (this one's [`Worker::should_stop`] said no): callers that combine
+    /// `should_stop` across ranks themselves call this on the ranks whose own answer was no,
+    /// so the agent does not take the clean exit for the end of the job.
+    pub fn peer_stop(&mut self, step: u64) -> Result<(), WorkerError> {
+        if let Some(c) = self.conn.as_mut() {
+            c.request(&json!({"type": "peer_stop", "rank": self.rank, "step": step}))?;
+        }
+        Ok(())
+    }
+
     /// Whether `step` is a checkpoint step: every `--checkpoint-interval` steps, or the step
     /// the agent asked for.
     pub fn should_checkpoint(&mut self, step: u64) -> bool {

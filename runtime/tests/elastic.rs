@@ -257,23 +257,7 @@ fn is(e: &Value, event: &str) -> bool {
 
 /// Worker PIDs: the agent's children.
 fn children(pid: i32) -> Vec<i32> {
-    let mut out = vec![];
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
-            continue;
-        };
-        let ppid = stat
-            .rsplit_once(')')
-            .and_then(|(_, r)| r.split_whitespace().nth(1))
-            .and_then(|x| x.parse::<i32>().ok());
-        if ppid == Some(pid) {
-            out.push(p);
-        }
-    }
-    out
+    services::child_pids(pid)
 }
 
 fn step_of(line_prefix: &str, out: &str) -> Option<u64> {

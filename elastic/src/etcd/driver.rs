@@ -505,6 +505,7 @@ impl Driver {
                     self.view.generation_mod_rev,
                     &generation,
                     Some(epoch_lease),
+                    Some(self.view.commit_mod_rev),
                     self.request_timeout_ms,
                 )
                 .await
@@ -536,7 +537,9 @@ impl Driver {
                         Ok(None)
                     }
                     Err(Error::NotLeader { .. }) => {
-                        tracing::warn!("generation write refused: deposed or raced; re-reading");
+                        tracing::warn!(
+                            "generation write refused: deposed, raced, or a newer commit was recorded; re-reading"
+                        );
                         Ok(Some(Exit::Resync))
                     }
                     Err(e) => {

@@ -75,6 +75,7 @@ pub async fn write_generation(
         prev_mod_revision,
         generation,
         None,
+        None,
         timeout_ms,
     )
     .await
@@ -82,7 +83,10 @@ pub async fn write_generation(
 
 /// [`write_generation`], and with `epoch_lease`, `ctl/epoch` set to the generation's number
 /// under that retention lease in the same transaction: a generation is never visible without
-/// the epoch that keeps its number from being used again after a total loss.
+/// the epoch that keeps its number from being used again after a total loss. With
+/// `commit_mod_revision`, it also fails (as [`Error::NotLeader`]: re-read and decide again)
+/// when `ctl/commit` changed since the leader read it, so a generation never names an older
+/// resume step than the newest commit recorded when it is frozen.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn write_generation_and_epoch(
     client: &mut Client,
@@ -92,6 +96,7 @@ pub(crate) async fn write_generation_and_epoch(
     prev_mod_revision: i64,
     generation: &Generation,
     epoch_lease: Option<i64>,
+    commit_mod_revision: Option<i64>,
     timeout_ms: u64,
 ) -> Result<i64> {
     let key = keys.generation();
@@ -117,12 +122,14 @@ pub(crate) async fn write_generation_and_epoch(
             Some(PutOptions::new().with_lease(lease)),
         ));
     }
-    let txn = Txn::new()
-        .when([
-            Compare::lease(keys.leader(), CompareOp::Equal, leader_lease_id),
-            Compare::mod_revision(key.clone(), CompareOp::Equal, prev_mod_revision),
-        ])
-        .and_then(ops);
+    let mut when = vec![
+        Compare::lease(keys.leader(), CompareOp::Equal, leader_lease_id),
+        Compare::mod_revision(key.clone(), CompareOp::Equal, prev_mod_revision),
+    ];
+    if let Some(rev) = commit_mod_revision {
+        when.push(Compare::mod_revision(keys.commit(), CompareOp::Equal, rev));
+    }
+    let txn = Txn::new().when(when).and_then(ops);
     let resp = bounded("write generation", &key, timeout_ms, client.txn(txn)).await?;
     if !resp.succeeded() {
         return Err(Error::NotLeader {

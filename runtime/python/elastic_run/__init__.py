@@ -350,7 +350,12 @@ def should_stop(step):
         stop = 1 if reply.get("should_stop") else 0
         at = reply.get("should_checkpoint_at")
         ckpt = int(at) + 1 if isinstance(at, int) and at >= 0 else 0
+    asked = stop
     stop, ckpt = _all_reduce_max([stop, ckpt])
+    if stop and not asked and conn is not None and local_rank() == 0:
+        # Another node's agent asked: tell ours, so that it does not take the clean exit that
+        # follows for the end of the job (it may not have heard of the drain itself).
+        conn.request({"type": "peer_stop", "rank": rank(), "step": int(step)})
     if ckpt > 0 and ckpt - 1 != _checkpoint_request_seen:
         _checkpoint_request_seen = ckpt - 1
         _checkpoint_at = ckpt - 1

@@ -151,6 +151,21 @@ class AgentProtocol(Env):
         self.assertTrue(er.should_stop(21))
         self.assertEqual([r["type"] for r in agent.requests], ["query"] * 4)
 
+    def test_a_stop_another_node_asked_for_is_reported_to_this_agent(self):
+        path = os.path.join(self.tmp.name, "a.sock")
+        agent = FakeAgent(path, should_stop=False)
+        self.addCleanup(agent.close)
+        self.env(ELASTIC_AGENT_SOCKET=path, LOCAL_RANK=0, RANK=2)
+        # The all-reduce says stop although this agent did not ask: a peer's drain.
+        with mock.patch.object(er, "_all_reduce_max", lambda v: [1, v[1]]):
+            self.assertTrue(er.should_stop(30))
+        self.assertEqual(agent.requests[-1], {"type": "peer_stop", "rank": 2, "step": 30})
+        # This agent asked itself: nothing more to say.
+        agent.should_stop = True
+        with mock.patch.object(er, "_all_reduce_max", lambda v: [1, v[1]]):
+            self.assertTrue(er.should_stop(31))
+        self.assertEqual([r["type"] for r in agent.requests], ["query", "peer_stop", "query"])
+
     def test_only_local_rank_zero_asks_the_agent(self):
         path = os.path.join(self.tmp.name, "a.sock")
         agent = FakeAgent(path, should_stop=True)

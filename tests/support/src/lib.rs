@@ -468,6 +468,33 @@ fn wait_ready(service: &mut Service, ready: impl Fn(u16) -> bool) -> Result<()> 
     }
 }
 
+/// Direct children of `pid`, from `/proc` (sorted; empty when `/proc` cannot be read).
+pub fn child_pids(pid: i32) -> Vec<i32> {
+    let mut out = vec![];
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in dir.flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        // The parent PID is the second field after the command name, which may hold spaces
+        // and parentheses itself: split at the last ')'.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, r)| r.split_whitespace().nth(1))
+            .and_then(|x| x.parse::<i32>().ok());
+        if ppid == Some(pid) {
+            out.push(p);
+        }
+    }
+    out.sort_unstable();
+    out
+}
+
 /// A currently free loopback TCP port.
 pub fn free_port() -> Result<u16> {
     let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("binding a free loopback port")?;
