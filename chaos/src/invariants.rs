@@ -168,6 +168,24 @@ pub const COMMIT_PIPELINE_CHECKPOINTS: u64 = 5;
 /// How long after store trouble ends its backlog may still be draining.
 pub const STORE_BACKLOG_WINDOW_MS: u64 = 30_000;
 
+/// Whether node `node` was fenced at `t`: its last `fenced` event before `t` came after its
+/// last `joined`.
+fn fenced_at(events: &[Value], node: usize, t: u64) -> bool {
+    let name = format!("node{node}");
+    let last = |what: &str| {
+        events
+            .iter()
+            .filter(|e| e["event"] == what && e["node"] == name.as_str() && ts(e) <= t)
+            .map(ts)
+            .max()
+    };
+    match (last("fenced"), last("joined")) {
+        (Some(f), Some(j)) => f >= j,
+        (Some(_), None) => true,
+        _ => false,
+    }
+}
+
 /// Whether a store fault was active at `t` or ended less than the backlog window before it.
 fn store_trouble_before(fired: &[Fired], t: u64) -> bool {
     fired.iter().any(|f| {
@@ -270,6 +288,9 @@ pub fn check(s: &Scenario, events: &[Value], fired: &[Fired], o: &Outcome) -> Ve
             s.checkpoint_interval
         };
         let bound = match e.kind {
+            // A node already fenced (cut off from etcd, its workers stopped) when the
+            // preemption came has nothing left to save: it lost what a partition loses.
+            k if k.is_preemption() && fenced_at(events, e.node, e.at_unix_ms) => Some(crash_bound),
             k if k.is_preemption() => Some(0),
             FaultKind::SigkillAgent
             | FaultKind::SigkillWorker
@@ -608,6 +629,27 @@ mod tests {
         assert!(!verdict(&events(), &o).1);
         o.weights = None;
         assert!(!verdict(&events(), &o).1);
+    }
+
+    #[test]
+    fn a_preemption_of_a_fenced_node_may_lose_what_a_crash_loses() {
+        let s = scenario();
+        let lost_ok = |evs: &[Value]| {
+            check(&s, evs, &fired(FaultKind::SigtermAgent), &outcome())
+                .into_iter()
+                .find(|c| c.name == "lost_work_bounded")
+                .unwrap()
+                .ok
+        };
+        // events() loses 3 steps at the fault (3500 ms): a preemption must lose none...
+        let mut evs = events();
+        evs.push(json!({"ts_ms": 500, "node": "node2", "event": "joined"}));
+        assert!(!lost_ok(&evs));
+        // ...unless its node was fenced when the signal came (and had not joined again).
+        evs.push(json!({"ts_ms": 3400, "node": "node2", "event": "fenced"}));
+        assert!(lost_ok(&evs));
+        evs.push(json!({"ts_ms": 3450, "node": "node2", "event": "joined"}));
+        assert!(!lost_ok(&evs), "joined again before the signal");
     }
 
     #[test]

@@ -12,8 +12,9 @@
 //! | request | meaning | reply |
 //! |---|---|---|
 //! | `{"type":"progress","rank":R,"step":S}` | rank R finished step S (feeds the hang watchdog and metrics) | `ok` |
-//! | `{"type":"saved","rank":R,"step":S,"dir":"D"}` | rank R finished writing its snapshot of step S into D, a directory under `$ELASTIC_STAGING_DIR` | `ok` once the agent took it over, else `error` |
+//! | `{"type":"saved","rank":R,"step":S,"dir":"D"}` | rank R finished writing its snapshot of step S into D, a directory under `$ELASTIC_STAGING_DIR` | `ok` once the agent took it over (held back while four earlier checkpoints are uncommitted), else `error` |
 //! | `{"type":"query"}` | what should the workers do? | `state` |
+//! | `{"type":"peer_stop","rank":R,"step":S}` | the workers agreed to stop at step S because another node's agent asked, not this one (its clean exit is then no end of the job) | `ok` |
 //!
 //! Replies (agent → worker):
 //!
