@@ -186,6 +186,17 @@ fn fenced_at(events: &[Value], node: usize, t: u64) -> bool {
     }
 }
 
+/// Whether node `node`'s staging filesystem was full at `t`.
+fn staging_full_at(fired: &[Fired], node: usize, t: u64) -> bool {
+    fired.iter().any(|f| {
+        f.skipped.is_none()
+            && f.fault.kind == FaultKind::StagingFull
+            && f.fault.node == node
+            && f.at_unix_ms <= t
+            && t <= f.at_unix_ms + f.fault.duration_ms
+    })
+}
+
 /// Whether a store fault was active at `t` or ended less than the backlog window before it.
 fn store_trouble_before(fired: &[Fired], t: u64) -> bool {
     fired.iter().any(|f| {
@@ -290,7 +301,13 @@ pub fn check(s: &Scenario, events: &[Value], fired: &[Fired], o: &Outcome) -> Ve
         let bound = match e.kind {
             // A node already fenced (cut off from etcd, its workers stopped) when the
             // preemption came has nothing left to save: it lost what a partition loses.
-            k if k.is_preemption() && fenced_at(events, e.node, e.at_unix_ms) => Some(crash_bound),
+            // Nor can one whose staging filesystem is full: its drain's save fails.
+            k if k.is_preemption()
+                && (fenced_at(events, e.node, e.at_unix_ms)
+                    || staging_full_at(fired, e.node, e.at_unix_ms)) =>
+            {
+                Some(crash_bound)
+            }
             k if k.is_preemption() => Some(0),
             FaultKind::SigkillAgent
             | FaultKind::SigkillWorker
@@ -650,6 +667,32 @@ mod tests {
         assert!(lost_ok(&evs));
         evs.push(json!({"ts_ms": 3450, "node": "node2", "event": "joined"}));
         assert!(!lost_ok(&evs), "joined again before the signal");
+        // A full staging filesystem on that node makes the drain's save fail.
+        let mut f = fired(FaultKind::SigtermAgent);
+        f.insert(
+            0,
+            Fired {
+                fault: Fault {
+                    at_ms: 0,
+                    kind: FaultKind::StagingFull,
+                    node: 2,
+                    duration_ms: 4_000,
+                    delay_ms: 0,
+                },
+                at_unix_ms: 1_000,
+                skipped: None,
+            },
+        );
+        let ok = |f: &[Fired]| {
+            check(&s, &evs, f, &outcome())
+                .into_iter()
+                .find(|c| c.name == "lost_work_bounded")
+                .unwrap()
+                .ok
+        };
+        assert!(ok(&f));
+        f[0].fault.node = 1;
+        assert!(!ok(&f), "another node's staging is no excuse");
     }
 
     #[test]
