@@ -249,6 +249,9 @@ struct Run<'a> {
     /// Nodes whose staging gets a small tmpfs (those a `staging_full` fault names).
     small_staging: Vec<usize>,
     mounts: Mounts,
+    /// Threads that restarted a service: each lives (and so keeps its service alive) until
+    /// its sender here is dropped with the run.
+    keepers: Vec<std::sync::mpsc::Sender<()>>,
 }
 
 impl Run<'_> {
@@ -379,15 +382,19 @@ impl Run<'_> {
             FaultKind::EtcdRestart => {
                 let etcd = self.etcd.clone();
                 etcd.lock().expect("etcd lock").kill();
-                tokio::spawn(async move {
-                    tokio::time::sleep(dur).await;
-                    // Not spawn_blocking: services die with the thread that started them
-                    // (PR_SET_PDEATHSIG), and blocking-pool threads exit when idle.
-                    let r =
-                        tokio::task::block_in_place(|| etcd.lock().expect("etcd lock").restart());
+                // On a thread of its own that lives until the run ends: services die with the
+                // thread that started them (PR_SET_PDEATHSIG), and neither blocking-pool
+                // threads nor a worker thread given up by `block_in_place` are sure to last.
+                let (keep_tx, keep_rx) = std::sync::mpsc::channel::<()>();
+                self.keepers.push(keep_tx);
+                std::thread::spawn(move || {
+                    std::thread::sleep(dur);
+                    let r = etcd.lock().expect("etcd lock").restart();
                     if r.is_err() {
                         tracing::error!("etcd did not come back: {r:?}");
                     }
+                    // Returns when the run drops its end.
+                    let _ = keep_rx.recv();
                 });
                 return Ok(None);
             }
@@ -787,6 +794,7 @@ async fn run_once(
         nodes: vec![],
         small_staging,
         mounts: Mounts::default(),
+        keepers: Vec::new(),
     };
     // The store watcher talks to the store directly (never through the fault proxy).
     let direct_opts = match &moto {
