@@ -633,19 +633,7 @@ fn final_line(logs: &Path) -> (Option<u64>, Option<String>) {
 
 /// `object_store` options for the store URL, from the agents' environment.
 fn store_options(env: &[(String, String)]) -> Vec<(String, String)> {
-    env.iter()
-        .filter_map(|(k, v)| {
-            let key = match k.as_str() {
-                "AWS_ENDPOINT" => "aws_endpoint",
-                "AWS_ALLOW_HTTP" => "aws_allow_http",
-                "AWS_ACCESS_KEY_ID" => "aws_access_key_id",
-                "AWS_SECRET_ACCESS_KEY" => "aws_secret_access_key",
-                "AWS_REGION" => "aws_region",
-                _ => return None,
-            };
-            Some((key.to_string(), v.clone()))
-        })
-        .collect()
+    services::s3_store_options(env)
 }
 
 /// Verifies and restores every committed step.

@@ -189,23 +189,9 @@ impl Job {
         let url = self.url.clone();
         let env = self.env.clone();
         rt.block_on(async move {
-            let store = checkpoint::Store::open_with_options(
-                &url,
-                env.iter()
-                    .filter_map(|(k, v)| {
-                        let key = match k.as_str() {
-                            "AWS_ENDPOINT" => "aws_endpoint",
-                            "AWS_ALLOW_HTTP" => "aws_allow_http",
-                            "AWS_ACCESS_KEY_ID" => "aws_access_key_id",
-                            "AWS_SECRET_ACCESS_KEY" => "aws_secret_access_key",
-                            "AWS_REGION" => "aws_region",
-                            _ => return None,
-                        };
-                        Some((key.to_string(), v.clone()))
-                    })
-                    .collect::<Vec<_>>(),
-            )
-            .unwrap();
+            let store =
+                checkpoint::Store::open_with_options(&url, services::s3_store_options(&env))
+                    .unwrap();
             store
                 .committed_steps(&checkpoint::CancellationToken::new())
                 .await

@@ -468,6 +468,24 @@ fn wait_ready(service: &mut Service, ready: impl Fn(u16) -> bool) -> Result<()> 
     }
 }
 
+/// `object_store` configuration keys for the S3 variables of an agent environment (what
+/// [`Moto::env`] sets), for opening the same store in-process.
+pub fn s3_store_options(env: &[(String, String)]) -> Vec<(String, String)> {
+    env.iter()
+        .filter_map(|(k, v)| {
+            let key = match k.as_str() {
+                "AWS_ENDPOINT" => "aws_endpoint",
+                "AWS_ALLOW_HTTP" => "aws_allow_http",
+                "AWS_ACCESS_KEY_ID" => "aws_access_key_id",
+                "AWS_SECRET_ACCESS_KEY" => "aws_secret_access_key",
+                "AWS_REGION" => "aws_region",
+                _ => return None,
+            };
+            Some((key.to_string(), v.clone()))
+        })
+        .collect()
+}
+
 /// Direct children of `pid`, from `/proc` (sorted; empty when `/proc` cannot be read).
 pub fn child_pids(pid: i32) -> Vec<i32> {
     let mut out = vec![];
