@@ -1,7 +1,8 @@
 //! Save/restore throughput against raw `object_store` on `file://`, and compression ratios.
 //!
-//! `cargo run --release -p checkpoint --example bench -- [TOTAL_MIB] [DIR]`
-//! (defaults: 2048 MiB under the system temp dir; `BENCH_REPS` repetitions, default 3, each
+//! `cargo run --release -p checkpoint --example bench -- [TOTAL_MIB] [DIR] [RESTORE_DIR]`
+//! (defaults: 2048 MiB of state and the `file://` store under the system temp dir, restores
+//! into `/dev/shm` like elastic-run's staging; `BENCH_REPS` repetitions, default 3, each
 //! running every method in an order rotated by one). Prints a Markdown table of medians to
 //! stdout. `bench codec` prints the compression rows only.
 
@@ -45,16 +46,27 @@ fn bytes_of(v: &[f32], bf16: bool) -> Vec<u8> {
     out
 }
 
-fn peak_rss_mib_reset() -> f64 {
+fn status_mib(field: &str) -> f64 {
     let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let kb: f64 = s
         .lines()
-        .find(|l| l.starts_with("VmHWM:"))
+        .find(|l| l.starts_with(field))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.0);
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
     kb / 1024.0
+}
+
+/// Starts a peak-memory window: resets the high-water mark to the current RSS, which it
+/// returns.
+fn rss_window_start() -> f64 {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    status_mib("VmRSS:")
+}
+
+/// How far RSS rose above `start` since [`rss_window_start`].
+fn rss_window_growth(start: f64) -> f64 {
+    (status_mib("VmHWM:") - start).max(0.0)
 }
 
 /// Writes FILES safetensors files (half bf16, half fp32 tensors), streaming, no big buffers.
@@ -117,13 +129,14 @@ struct SaveRestore {
 async fn save_restore(
     base: &Path,
     staging: &Path,
+    restore_dir: &Path,
     compress: bool,
     cancel: &CancellationToken,
 ) -> SaveRestore {
     let dir = base.join(format!("ckpt-{compress}"));
     let _ = std::fs::remove_dir_all(&dir);
     let store = Store::open(&format!("file://{}", dir.display())).unwrap();
-    peak_rss_mib_reset();
+    let rss_start = rss_window_start();
     let t = Instant::now();
     let opts = SaveOptions {
         chunk_bytes_max: CHUNK_BYTES,
@@ -149,9 +162,10 @@ async fn save_restore(
         .manifest()
         .clone();
     let save_s = t.elapsed().as_secs_f64();
-    let save_peak_mib = peak_rss_mib_reset();
+    let save_peak_mib = rss_window_growth(rss_start);
+    let rss_start = rss_window_start();
     let t = Instant::now();
-    let out = base.join(format!("restore-{compress}"));
+    let out = restore_dir.join(format!("restore-{compress}"));
     let ropts = ReadOptions {
         concurrency: CONCURRENCY,
         progress: None,
@@ -161,7 +175,7 @@ async fn save_restore(
         .await
         .unwrap();
     let restore_s = t.elapsed().as_secs_f64();
-    let restore_peak_mib = peak_rss_mib_reset();
+    let restore_peak_mib = rss_window_growth(rss_start);
     let _ = std::fs::remove_dir_all(&out);
     let _ = std::fs::remove_dir_all(&dir);
     SaveRestore {
@@ -177,7 +191,12 @@ fn mib_s(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / 1048576.0 / secs
 }
 
-async fn raw_put_get(files: &[PathBuf], root: &Path, fsync: bool) -> (f64, f64, f64, u64) {
+async fn raw_put_get(
+    files: &[PathBuf],
+    root: &Path,
+    restore_dir: &Path,
+    fsync: bool,
+) -> (f64, f64, f64, u64) {
     let _ = std::fs::remove_dir_all(root);
     std::fs::create_dir_all(root).unwrap();
     let root = root.to_path_buf();
@@ -251,31 +270,32 @@ async fn raw_put_get(files: &[PathBuf], root: &Path, fsync: bool) -> (f64, f64, 
         .await
         .unwrap();
     let get_s = t.elapsed().as_secs_f64();
-    // What a restore does with the bytes: gets written into one file per source at their
-    // offsets, then fsynced.
-    let out_dir = root.join("out");
+    // What a restore does with the bytes: every get written at its offset into one output
+    // file in the restore directory, then the file and the directory fsynced.
+    let out_dir = restore_dir.join("raw-out");
+    let _ = std::fs::remove_dir_all(&out_dir);
     std::fs::create_dir_all(&out_dir).unwrap();
-    let outs: Arc<Vec<std::fs::File>> = Arc::new(
-        files
-            .iter()
-            .enumerate()
-            .map(|(fi, src)| {
-                let f = std::fs::File::create(out_dir.join(format!("{fi}.bin"))).unwrap();
-                f.set_len(std::fs::metadata(src).unwrap().len()).unwrap();
-                f
-            })
-            .collect(),
-    );
+    let out = Arc::new(std::fs::File::create(out_dir.join("state.bin")).unwrap());
+    out.set_len(total).unwrap();
+    let mut at = 0u64;
+    let placed: Vec<(usize, usize, u64)> = jobs
+        .iter()
+        .map(|j| {
+            let here = at;
+            at += j.4;
+            (j.0, j.1, here)
+        })
+        .collect();
     let t = Instant::now();
-    futures::stream::iter(jobs)
-        .map(|(fi, ci, _, start, _)| {
-            let (store, outs) = (store.clone(), outs.clone());
+    futures::stream::iter(placed)
+        .map(|(fi, ci, offset)| {
+            let (store, out) = (store.clone(), out.clone());
             async move {
                 let p = object_store::path::Path::from(format!("raw/{fi}/{ci}.bin"));
                 let b = store.get(&p).await?.bytes().await?;
                 tokio::task::spawn_blocking(move || {
                     use std::os::unix::fs::FileExt;
-                    outs[fi].write_all_at(&b, start).unwrap();
+                    out.write_all_at(&b, offset).unwrap();
                 })
                 .await
                 .unwrap();
@@ -286,12 +306,10 @@ async fn raw_put_get(files: &[PathBuf], root: &Path, fsync: bool) -> (f64, f64, 
         .try_collect::<Vec<_>>()
         .await
         .unwrap();
-    for f in outs.iter() {
-        f.sync_all().unwrap();
-    }
+    out.sync_all().unwrap();
     std::fs::File::open(&out_dir).unwrap().sync_all().unwrap();
     let get_write_s = t.elapsed().as_secs_f64();
-    drop(outs);
+    drop(out);
     let _ = std::fs::remove_dir_all(&out_dir);
     (put_s, get_s, get_write_s, total)
 }
@@ -343,6 +361,20 @@ async fn main() {
         .unwrap_or_else(std::env::temp_dir)
         .join(format!("ckpt-bench-{}", std::process::id()));
     let staging = base.join("staging");
+    // Restores land where elastic-run puts them: its staging directory, /dev/shm by default.
+    let restore_dir = args
+        .get(3)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let shm = Path::new("/dev/shm");
+            if shm.is_dir() {
+                shm.to_path_buf()
+            } else {
+                base.clone()
+            }
+        })
+        .join(format!("ckpt-bench-restore-{}", std::process::id()));
+    std::fs::create_dir_all(&restore_dir).unwrap();
     let bytes = write_state(&staging, total_mib * 1024 * 1024);
     let files: Vec<PathBuf> = (0..FILES)
         .map(|f| staging.join(format!("rank-{f}.safetensors")))
@@ -354,7 +386,8 @@ async fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(3)
         .max(1);
-    let (nosync_s, _, _, raw_total) = raw_put_get(&files, &base.join("raw"), false).await;
+    let (nosync_s, _, _, raw_total) =
+        raw_put_get(&files, &base.join("raw"), &restore_dir, false).await;
     let cancel = CancellationToken::new();
     // Each repetition runs raw puts/gets, save/restore of raw chunks and of compressed chunks,
     // in an order rotated by one each time; the table gives medians and ranges.
@@ -367,14 +400,14 @@ async fn main() {
             match (rep + k) % 3 {
                 0 => {
                     let (put_s, get_s, get_write_s, _) =
-                        raw_put_get(&files, &base.join("raw"), true).await;
+                        raw_put_get(&files, &base.join("raw"), &restore_dir, true).await;
                     raw_put.push(put_s);
                     raw_get.push(get_s);
                     raw_get_write.push(get_write_s);
                 }
                 which => {
                     let compress = which == 2;
-                    let r = save_restore(&base, &staging, compress, &cancel).await;
+                    let r = save_restore(&base, &staging, &restore_dir, compress, &cancel).await;
                     runs[usize::from(compress)].push(r);
                 }
             }
@@ -404,7 +437,7 @@ async fn main() {
             range(&raw_get)
         ),
         format!(
-            "| raw object_store get + write + fsync | {:.0} MiB/s ({} MiB/s, n={reps}) | baseline for restore, which writes and fsyncs its output too |",
+            "| raw object_store get + write + fsync | {:.0} MiB/s ({} MiB/s, n={reps}) | into one file in the restore directory, fsynced: baseline for restore |",
             mib_s(raw_total, get_write_s),
             range(&raw_get_write)
         ),
@@ -416,7 +449,7 @@ async fn main() {
         let (save_s, restore_s) = (median(&save), median(&restore));
         let peak = |f: fn(&SaveRestore) -> f64| rs.iter().map(f).fold(0f64, f64::max);
         rows.push(format!(
-            "| save, {label} (ratio {:.3}x) | {:.0} MiB/s ({} MiB/s, n={reps}; {:.0}% of raw put) | peak RSS {:.0} MiB |",
+            "| save, {label} (ratio {:.3}x) | {:.0} MiB/s ({} MiB/s, n={reps}; {:.0}% of raw put) | peak RSS +{:.0} MiB |",
             rs[0].ratio,
             mib_s(bytes, save_s),
             range(&save),
@@ -424,7 +457,7 @@ async fn main() {
             peak(|r| r.save_peak_mib)
         ));
         rows.push(format!(
-            "| restore, {label} | {:.0} MiB/s ({} MiB/s, n={reps}; {:.0}% of raw get + write + fsync, {:.0}% of raw get) | peak RSS {:.0} MiB |",
+            "| restore, {label} | {:.0} MiB/s ({} MiB/s, n={reps}; {:.0}% of raw get + write + fsync, {:.0}% of raw get) | peak RSS +{:.0} MiB |",
             mib_s(bytes, restore_s),
             range(&restore),
             100.0 * get_write_s / restore_s,
@@ -434,6 +467,7 @@ async fn main() {
     }
     rows.extend(compression_rows());
     let _ = std::fs::remove_dir_all(&base);
+    let _ = std::fs::remove_dir_all(&restore_dir);
     println!(
         "| {} MiB state, {} files, file:// | throughput | notes |",
         bytes >> 20,

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use futures::{StreamExt, TryStreamExt};
+use object_store::ObjectStoreExt;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -25,8 +26,10 @@ use crate::store::Store;
 pub const RESTORE_FILE: &str = "state.safetensors";
 /// The trainer metadata a restore writes next to it (with `step`, `rank`, `world_size`).
 pub const RESTORE_METADATA_FILE: &str = "metadata.json";
-/// Ranged reads of one object are cut into pieces of this size and fetched in parallel.
+/// Reads of a large object from a remote store are cut into ranges of this size...
 const RANGE_BYTES: u64 = 8 * 1024 * 1024;
+/// ...of which this many are in flight at once, per object.
+const RANGES_IN_FLIGHT: usize = 4;
 
 /// Tunables for reads.
 #[derive(Clone)]
@@ -282,7 +285,8 @@ impl Store {
         cancel: &CancellationToken,
     ) -> Result<bytes::Bytes> {
         let o = &m.objects[idx];
-        let data: bytes::Bytes = if o.stored_bytes > RANGE_BYTES {
+        // A local file is read whole: splitting a read of the page cache only adds copies.
+        let data: bytes::Bytes = if o.stored_bytes > RANGE_BYTES && self.is_remote() {
             // Check the length first: ranges past the end of a truncated object are errors
             // that look transient on some stores.
             let size = self.head(&o.key, cancel).await?;
@@ -296,22 +300,9 @@ impl Store {
                     ),
                 ));
             }
-            let ranges: Vec<std::ops::Range<u64>> = (0..o.stored_bytes)
-                .step_by(RANGE_BYTES as usize)
-                .map(|s| s..(s + RANGE_BYTES).min(o.stored_bytes))
-                .collect();
-            let path = self.path(&o.key);
-            let parts = self
-                .retry("get", &o.key, cancel, || async {
-                    self.inner
-                        .get_ranges(&path, &ranges)
-                        .await
-                        .map_err(|e| self.err("get", &o.key, e))
-                })
-                .await?;
-            let mut buf = Vec::with_capacity(o.stored_bytes as usize);
-            parts.iter().for_each(|p| buf.extend_from_slice(p));
-            buf.into()
+            self.fetch_ranges(m.step, &o.key, o.stored_bytes, cancel)
+                .await?
+                .into()
         } else {
             self.get(&o.key, cancel).await?
         };
@@ -335,6 +326,57 @@ impl Store {
             ));
         }
         Ok(data)
+    }
+
+    /// Reads `len` bytes of `key` as [`RANGES_IN_FLIGHT`] concurrent ranged requests of
+    /// [`RANGE_BYTES`], each copied into place as it arrives, so memory stays at one copy of
+    /// the object plus the pieces in flight. (`ObjectStore::get_ranges` would coalesce
+    /// adjacent ranges into a single request.)
+    async fn fetch_ranges(
+        &self,
+        step: u64,
+        key: &str,
+        len: u64,
+        cancel: &CancellationToken,
+    ) -> Result<Vec<u8>> {
+        let total = usize::try_from(len)
+            .map_err(|_| self.corrupt(step, key, format!("{len} bytes do not fit in memory")))?;
+        let path = self.path(key);
+        let path = &path;
+        let mut buf = vec![0u8; total];
+        let mut pieces = futures::stream::iter((0..len).step_by(RANGE_BYTES as usize))
+            .map(|start| {
+                let range = start..(start + RANGE_BYTES).min(len);
+                async move {
+                    let bytes = self
+                        .retry("get", key, cancel, || async {
+                            self.inner
+                                .get_range(path, range.clone())
+                                .await
+                                .map_err(|e| self.err("get", key, e))
+                        })
+                        .await?;
+                    Ok::<_, Error>((range, bytes))
+                }
+            })
+            .buffer_unordered(RANGES_IN_FLIGHT);
+        while let Some(piece) = pieces.next().await {
+            let (range, bytes) = piece?;
+            if bytes.len() as u64 != range.end - range.start {
+                return Err(self.corrupt(
+                    step,
+                    key,
+                    format!(
+                        "range {}..{} returned {} bytes",
+                        range.start,
+                        range.end,
+                        bytes.len()
+                    ),
+                ));
+            }
+            buf[range.start as usize..range.end as usize].copy_from_slice(&bytes);
+        }
+        Ok(buf)
     }
 
     /// Fetches and decodes object `idx`, checking every checksum.

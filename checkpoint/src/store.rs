@@ -174,14 +174,19 @@ impl Store {
         self
     }
 
-    /// The store's URL, with credentials removed.
     /// Whether chunk compression pays by default on this store: on remote object stores the
     /// network is the bottleneck and fewer bytes go faster; on a local file system or in memory
     /// the CPU spent compressing costs more than the bytes it saves (see `BENCHMARKS.md`).
     pub fn compression_pays(&self) -> bool {
+        self.is_remote()
+    }
+
+    /// Whether calls cross a network (not a local directory, not memory).
+    pub(crate) fn is_remote(&self) -> bool {
         self.local_root.is_none() && !self.display.starts_with("memory://")
     }
 
+    /// The store's URL, with credentials removed.
     pub fn url(&self) -> &str {
         &self.display
     }

@@ -29,6 +29,8 @@ struct Unreliable {
     fail_probability: f64,
     failures: AtomicU32,
     gets: AtomicU32,
+    /// Gets that asked for a byte range.
+    ranged_gets: AtomicU32,
 }
 
 impl fmt::Display for Unreliable {
@@ -49,6 +51,7 @@ impl Unreliable {
             fail_probability,
             failures: AtomicU32::new(0),
             gets: AtomicU32::new(0),
+            ranged_gets: AtomicU32::new(0),
         }
     }
 
@@ -89,6 +92,9 @@ impl ObjectStore for Unreliable {
         options: GetOptions,
     ) -> object_store::Result<GetResult> {
         self.gets.fetch_add(1, Ordering::Relaxed);
+        if options.range.is_some() {
+            self.ranged_gets.fetch_add(1, Ordering::Relaxed);
+        }
         self.maybe_fail()?;
         self.inner.get_opts(location, options).await
     }
@@ -286,4 +292,65 @@ async fn a_rank_reads_only_the_chunks_that_hold_its_bytes() {
         .count();
     assert!(m.objects.len() >= 16, "{} objects", m.objects.len());
     assert_eq!(reads as usize, needed + 2, "of {} objects", m.objects.len());
+}
+
+#[tokio::test]
+async fn a_large_remote_object_is_read_as_separate_ranges_and_truncation_is_named() {
+    let counting = Arc::new(Unreliable::with_probability(0, 0.0));
+    let store = Store::from_object_store(counting.clone(), "ck", "counting://ck");
+    // Incompressible, one chunk of 20 MiB and a bit: three 8 MiB ranges.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let data: Vec<u8> = (0..20 * 1024 * 1024 + 5).map(|_| rng.random()).collect();
+    let t = common::T {
+        name: "blob".into(),
+        dtype: "U8",
+        shape: vec![data.len()],
+        data,
+    };
+    let files = vec![(
+        "big.safetensors".to_string(),
+        bytes::Bytes::from(common::st_bytes(&[t], None)),
+    )];
+    let input = PartInput {
+        writer: "big".into(),
+        source: PartSource::Buffers(files.clone()),
+        shards: Default::default(),
+    };
+    let opts = checkpoint::SaveOptions {
+        chunk_bytes_max: 32 * 1024 * 1024,
+        ..Default::default()
+    };
+    let part = store.save_part(1, input, &opts, &cancel()).await.unwrap();
+    assert_eq!(part.objects.len(), 1);
+    common::commit(&store, 1, &["big"], 1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let before = counting.ranged_gets.load(Ordering::Relaxed);
+    store
+        .pull(1, dir.path(), &ReadOptions::default(), &cancel())
+        .await
+        .unwrap();
+    // object_store's get_ranges would have merged the adjacent ranges into one request.
+    assert_eq!(counting.ranged_gets.load(Ordering::Relaxed) - before, 3);
+    common::assert_dir_has(dir.path(), &files);
+
+    use object_store::ObjectStoreExt;
+    let key = Path::from(format!("ck/{}", part.objects[0].key));
+    let mut stored = counting
+        .inner
+        .get(&key)
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap()
+        .to_vec();
+    stored.truncate(stored.len() - 1);
+    counting.inner.put(&key, stored.into()).await.unwrap();
+    let report = store
+        .verify(1, &ReadOptions::default(), &cancel())
+        .await
+        .unwrap();
+    assert_eq!(report.bad.len(), 1, "{:?}", report.bad);
+    assert_eq!(report.bad[0].0, part.objects[0].key);
+    assert!(report.bad[0].1.contains("truncated"), "{}", report.bad[0].1);
 }
