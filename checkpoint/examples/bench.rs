@@ -347,6 +347,10 @@ fn compression_rows() -> Vec<String> {
 
 #[tokio::main]
 async fn main() {
+    // As in elastic-run and elastic-ckpt (`BENCH_GLIBC_DEFAULT=1` measures without it).
+    if std::env::var_os("BENCH_GLIBC_DEFAULT").is_none() {
+        checkpoint::alloc::release_freed_buffers_eagerly();
+    }
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).is_some_and(|a| a == "codec") {
         // Compression rows only: `bench codec`.

@@ -2,6 +2,7 @@
 //!
 //! # Layout
 //!
+//! - [`alloc`]: the allocator setting the binaries make at start (freed buffers go back).
 //! - [`format`](mod@format): the on-bucket format (key layout, manifest schema v1, commit rule). Start here.
 //! - [`header`]: safetensors header reading and writing, with limits.
 //! - [`codec`]: per-chunk compression (`raw`, `zstd`, `zstd-planes`).
@@ -87,6 +88,7 @@
 //! (`{"name": {"global_shape": [..], "dim0_offset": n}}`); restore gives rank `r` of `W` rows
 //! `[rows·r/W, rows·(r+1)/W)` and declares them the same way in its output.
 
+pub mod alloc;
 pub mod codec;
 pub mod copy;
 pub mod error;

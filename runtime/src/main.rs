@@ -7,6 +7,7 @@ use runtime::agent::{self, UsageError};
 use runtime::cli::Cli;
 
 fn main() -> ExitCode {
+    checkpoint::alloc::release_freed_buffers_eagerly();
     // `elastic-run status ...` reads a job's state; anything else runs an agent.
     if std::env::args_os().nth(1).is_some_and(|a| a == "status") {
         let cli = runtime::status::StatusCli::parse_from(std::env::args_os().skip(1));

@@ -110,6 +110,7 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    checkpoint::alloc::release_freed_buffers_eagerly();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
