@@ -118,7 +118,19 @@ pub fn effects(events: &[Value], fired: &[Fired]) -> Vec<FaultEffect> {
                         .iter()
                         .filter_map(|e| e["prev_last_step"].as_u64())
                         .max();
-                    let lost = reached.map(|r| r.saturating_sub(resume.unwrap_or(0)));
+                    // `prev_last_step` is the newest step any generation reported. When the
+                    // generation the fault hit never trained (it was still starting), those
+                    // steps were lost by the fault that ended an earlier one, not by this.
+                    let next_ts = gens.iter().map(|e| ts(e)).min().unwrap_or(u64::MAX);
+                    let g0_trained = ev(events, "first_step")
+                        .any(|e| e["generation"].as_u64() == Some(g0) && ts(e) < next_ts);
+                    let lost = reached.map(|r| {
+                        if g0_trained {
+                            r.saturating_sub(resume.unwrap_or(0))
+                        } else {
+                            0
+                        }
+                    });
                     // Training again: the first step of that generation or of any later one
                     // (a generation can be superseded before it trains, as when a partitioned
                     // node comes back at once).
@@ -552,6 +564,48 @@ mod tests {
         assert_eq!(e[0].detection_ms, Some(500));
         assert_eq!(e[0].recovery_ms, Some(5500));
         assert_eq!(e[0].lost_steps, Some(3));
+    }
+
+    #[test]
+    fn a_fault_in_a_generation_that_never_trained_loses_nothing_of_its_own() {
+        // Generation 2 resumes from 10 after the kill (13 reached) and is preempted before its
+        // first step; generation 3 resumes from 10 again with prev_last_step still 13.
+        let mut evs = events();
+        evs.truncate(5);
+        evs.push(json!({"ts_ms": 6500, "node": "a", "event": "drain_started", "reason": "notice"}));
+        evs.push(generation(7000, "a", 3, 1, Some(10), Some(13)));
+        evs.push(
+            json!({"ts_ms": 9000, "node": "a", "event": "first_step", "generation": 3, "step": 11}),
+        );
+        let mut f = fired(FaultKind::SigkillAgent);
+        f.push(Fired {
+            fault: Fault {
+                at_ms: 0,
+                kind: FaultKind::Notice,
+                node: 0,
+                duration_ms: 0,
+                delay_ms: 0,
+            },
+            at_unix_ms: 6400,
+            skipped: None,
+        });
+        let e = effects(&evs, &f);
+        assert_eq!(e[0].lost_steps, Some(3), "the kill lost 11..13");
+        assert_eq!(
+            e[1].lost_steps,
+            Some(0),
+            "the notice hit a generation with no step"
+        );
+        let lost = check(&scenario(), &evs, &f, &outcome())
+            .into_iter()
+            .find(|c| c.name == "lost_work_bounded")
+            .unwrap();
+        assert!(lost.ok, "{lost:?}");
+        // Had generation 2 trained, the notice would own the loss.
+        evs.push(
+            json!({"ts_ms": 6200, "node": "a", "event": "first_step", "generation": 2, "step": 11}),
+        );
+        assert_eq!(effects(&evs, &f)[1].lost_steps, Some(3));
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! Listing, verification, resharded restore and byte-identical pull.
 //!
 //! Reads are per chunk: a rank fetches only the chunks that hold bytes it needs, several at a
-//! time (`concurrency`), large ones as parallel ranged reads. Every chunk's stored and decoded
-//! checksums are checked before a byte of it is used. Memory is bounded by
-//! `3 × concurrency × (largest decoded chunk)`: stored bytes, decoded bytes and one plane.
+//! time (`concurrency`). A large chunk on a remote store comes as separate ranged requests in
+//! parallel; on a local directory it is one read. Every chunk's stored and decoded checksums
+//! are checked before a byte of it is used. Memory is bounded by
+//! `3 × concurrency × (largest decoded chunk)`: stored bytes, decoded bytes and one plane
+//! (while a remote chunk's ranges arrive: its stored bytes and up to 4 pieces of 8 MiB).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

@@ -181,9 +181,12 @@ impl Store {
         self.is_remote()
     }
 
-    /// Whether calls cross a network (not a local directory, not memory).
+    /// Whether calls cross a network: not a local directory, not memory (judged by the URL,
+    /// so a wrapper made with [`Store::from_object_store`] says what it wraps).
     pub(crate) fn is_remote(&self) -> bool {
-        self.local_root.is_none() && !self.display.starts_with("memory://")
+        self.local_root.is_none()
+            && !self.display.starts_with("memory://")
+            && !self.display.starts_with("file://")
     }
 
     /// The store's URL, with credentials removed.
