@@ -199,11 +199,12 @@ fn fenced_at(events: &[Value], node: usize, t: u64) -> bool {
 }
 
 /// Whether node `node`'s staging filesystem was full at `t`.
-fn staging_full_at(fired: &[Fired], node: usize, t: u64) -> bool {
+/// Whether some node's staging filesystem was full at `t`. A drain's step needs every rank's
+/// part, so one full node makes the whole drain's save fail, wherever the preemption hit.
+fn staging_full_anywhere_at(fired: &[Fired], t: u64) -> bool {
     fired.iter().any(|f| {
         f.skipped.is_none()
             && f.fault.kind == FaultKind::StagingFull
-            && f.fault.node == node
             && f.at_unix_ms <= t
             && t <= f.at_unix_ms + f.fault.duration_ms
     })
@@ -313,10 +314,11 @@ pub fn check(s: &Scenario, events: &[Value], fired: &[Fired], o: &Outcome) -> Ve
         let bound = match e.kind {
             // A node already fenced (cut off from etcd, its workers stopped) when the
             // preemption came has nothing left to save: it lost what a partition loses.
-            // Nor can one whose staging filesystem is full: its drain's save fails.
+            // Nor can a drain while any node's staging filesystem is full: the agreed step
+            // lacks that node's part.
             k if k.is_preemption()
                 && (fenced_at(events, e.node, e.at_unix_ms)
-                    || staging_full_at(fired, e.node, e.at_unix_ms)) =>
+                    || staging_full_anywhere_at(fired, e.at_unix_ms)) =>
             {
                 Some(crash_bound)
             }
@@ -721,7 +723,7 @@ mod tests {
         assert!(lost_ok(&evs));
         evs.push(json!({"ts_ms": 3450, "node": "node2", "event": "joined"}));
         assert!(!lost_ok(&evs), "joined again before the signal");
-        // A full staging filesystem on that node makes the drain's save fail.
+        // A full staging filesystem on any node makes the drain's save fail.
         let mut f = fired(FaultKind::SigtermAgent);
         f.insert(
             0,
@@ -746,7 +748,12 @@ mod tests {
         };
         assert!(ok(&f));
         f[0].fault.node = 1;
-        assert!(!ok(&f), "another node's staging is no excuse");
+        assert!(ok(&f), "a peer's full staging fails the drain's step too");
+        f[0].fault.duration_ms = 2_000;
+        assert!(
+            !ok(&f),
+            "staging that had room again before the signal is no excuse"
+        );
     }
 
     #[test]
