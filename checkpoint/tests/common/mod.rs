@@ -423,20 +423,26 @@ pub async fn cp_copies_a_step_that_pulls_byte_identical(src: &Store, dst: &Store
     );
 }
 
-pub async fn large_chunks_use_multipart_and_ranged_reads(store: &Store) {
-    // Incompressible, so the stored object stays over the 8 MiB ranged-read size.
-    let mut rng = rand::rngs::StdRng::seed_from_u64(99);
-    let data: Vec<u8> = (0..9 * 1024 * 1024 + 3).map(|_| rng.random()).collect();
+/// `big.safetensors` holding one U8 tensor of `len` seeded random bytes: incompressible, so
+/// its stored chunk is as large as its data.
+pub fn incompressible_file(len: usize, seed: u64) -> Vec<(String, Bytes)> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let data: Vec<u8> = (0..len).map(|_| rng.random()).collect();
     let t = T {
         name: "blob".into(),
         dtype: "U8",
         shape: vec![data.len()],
         data,
     };
-    let files = vec![(
+    vec![(
         "big.safetensors".to_string(),
         Bytes::from(st_bytes(&[t], None)),
-    )];
+    )]
+}
+
+pub async fn large_chunks_use_multipart_and_ranged_reads(store: &Store) {
+    // The stored object stays over the 8 MiB ranged-read size.
+    let files = incompressible_file(9 * 1024 * 1024 + 3, 99);
     let store = store.clone().with_options(checkpoint::StoreOptions {
         multipart_threshold_bytes: 1024 * 1024,
         multipart_part_bytes: 5 * 1024 * 1024,

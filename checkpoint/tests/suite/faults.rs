@@ -298,19 +298,8 @@ async fn a_rank_reads_only_the_chunks_that_hold_its_bytes() {
 async fn a_large_remote_object_is_read_as_separate_ranges_and_truncation_is_named() {
     let counting = Arc::new(Unreliable::with_probability(0, 0.0));
     let store = Store::from_object_store(counting.clone(), "ck", "counting://ck");
-    // Incompressible, one chunk of 20 MiB and a bit: three 8 MiB ranges.
-    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-    let data: Vec<u8> = (0..20 * 1024 * 1024 + 5).map(|_| rng.random()).collect();
-    let t = common::T {
-        name: "blob".into(),
-        dtype: "U8",
-        shape: vec![data.len()],
-        data,
-    };
-    let files = vec![(
-        "big.safetensors".to_string(),
-        bytes::Bytes::from(common::st_bytes(&[t], None)),
-    )];
+    // One chunk of 20 MiB and a bit: three 8 MiB ranges.
+    let files = common::incompressible_file(20 * 1024 * 1024 + 5, 5);
     let input = PartInput {
         writer: "big".into(),
         source: PartSource::Buffers(files.clone()),
