@@ -2,6 +2,11 @@
 //! front of etcd for every node and one in front of the store, N `elastic-run` agents as
 //! simulated nodes, injects the scheduled faults, waits for the job, then checks the
 //! invariants and writes the report.
+//!
+//! With `network = "netns"` every node runs in a network namespace of its own (see
+//! [`crate::netns`]) with a real address: its agent advertises that address, its workers talk
+//! gloo over the bridge, and it reaches etcd, the store and its notice server through sockets the
+//! harness opens inside its namespace. A partition then also takes its link down.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -14,9 +19,10 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 use crate::invariants::{self, Fired, Outcome};
+use crate::netns::{self, Network};
 use crate::proxy::{Mode, Proxy};
 use crate::report::{self, Report};
-use crate::scenario::{Fault, FaultKind, Scenario, StoreKind, schedule};
+use crate::scenario::{self as sc, Fault, FaultKind, Scenario, StoreKind, schedule};
 
 /// How long the job may take to reach its first training step.
 const FIRST_STEP_TIMEOUT_MS: u64 = 180_000;
@@ -89,6 +95,9 @@ struct Node {
     name: String,
     child: Option<Child>,
     etcd_proxy: Proxy,
+    /// In a namespace: the node's way to the store (in front of the shared store proxy), cut
+    /// during its partitions.
+    store_fwd: Option<Proxy>,
     notice: Arc<AtomicBool>,
     notice_url: String,
     staging: PathBuf,
@@ -98,10 +107,17 @@ struct Node {
     removed: bool,
 }
 
-/// A tiny HTTP server answering GCP's `instance/preempted`: `FALSE` until `flag` is set.
-async fn notice_server(flag: Arc<AtomicBool>) -> Result<String> {
+/// A tiny HTTP server answering GCP's `instance/preempted`: `FALSE` until `flag` is set. It
+/// serves on `listener` when given (one opened in a node's namespace), else on loopback.
+async fn notice_server(
+    flag: Arc<AtomicBool>,
+    listener: Option<std::net::TcpListener>,
+) -> Result<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let l = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
+    let l = match listener {
+        Some(l) => tokio::net::TcpListener::from_std(l)?,
+        None => tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?,
+    };
     let url = format!(
         "gcp=http://{}/computeMetadata/v1/instance/preempted",
         l.local_addr()?
@@ -245,6 +261,8 @@ struct Run<'a> {
     env: Vec<(String, String)>,
     etcd: Arc<Mutex<services::Etcd>>,
     store_proxy: Option<Proxy>,
+    /// The nodes' namespaces (`network = "netns"`).
+    net: Option<Network>,
     nodes: Vec<Node>,
     /// Nodes whose staging gets a small tmpfs (those a `staging_full` fault names).
     small_staging: Vec<usize>,
@@ -261,9 +279,38 @@ impl Run<'_> {
             let e = self.etcd.lock().expect("etcd lock");
             e.service.addr()
         };
-        let etcd_proxy = Proxy::start(etcd_addr).await?;
         let notice = Arc::new(AtomicBool::new(false));
-        let notice_url = notice_server(notice.clone()).await?;
+        // Without namespaces every node is 127.0.0.1 and reaches the store proxy directly.
+        let mut local_addr = "127.0.0.1".to_string();
+        let mut node_env: Vec<(String, String)> = vec![];
+        let mut store_fwd = None;
+        let mut enter = None;
+        let (etcd_proxy, notice_url) = match self.net.as_mut() {
+            None => (
+                Proxy::start(etcd_addr).await?,
+                notice_server(notice.clone(), None).await?,
+            ),
+            Some(net) => {
+                let ns = net.node(index)?;
+                local_addr = ns.addr.to_string();
+                let listen = |what: &str| {
+                    ns.listen_loopback()
+                        .with_context(|| format!("{what} socket in namespace {}", ns.name))
+                };
+                let etcd_proxy = Proxy::start_on(listen("etcd")?, etcd_addr)?;
+                let notice_url = notice_server(notice.clone(), Some(listen("notice")?)).await?;
+                if let Some(p) = &self.store_proxy {
+                    let fwd = Proxy::start_on(listen("store")?, p.addr)?;
+                    node_env.push(("AWS_ENDPOINT".into(), format!("http://{}", fwd.addr)));
+                    store_fwd = Some(fwd);
+                }
+                // gloo would pick the address the host name resolves to, which is not in
+                // the namespace (and falls back to loopback, unreachable from the peers).
+                node_env.push(("GLOO_SOCKET_IFNAME".into(), netns::NODE_IF.into()));
+                enter = Some(index);
+                (etcd_proxy, notice_url)
+            }
+        };
         let s = self.s;
         let logs = self.out.join("logs");
         std::fs::create_dir_all(&logs)?;
@@ -295,7 +342,7 @@ impl Run<'_> {
             "--node-id",
             &name,
             "--local-addr",
-            "127.0.0.1",
+            &local_addr,
             "--rdzv-conf",
             &rdzv_conf,
             "--checkpoint-url",
@@ -339,18 +386,25 @@ impl Run<'_> {
             ])
             .args(&s.args)
             .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(node_env.iter().map(|(k, v)| (k, v)))
             .env("ELASTIC_LOG", "info")
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(logs.join(format!("{name}.out")))?)
             .stderr(std::fs::File::create(logs.join(format!("{name}.err")))?);
+        if let (Some(i), Some(net)) = (enter, self.net.as_ref())
+            && let Some(ns) = net.get(i)
+        {
+            ns.enter_on_spawn(&mut c);
+        }
         let child = c
             .spawn()
             .with_context(|| format!("start {}", self.tools.elastic_run.display()))?;
-        tracing::info!(node = %name, pid = child.id(), "agent started");
+        tracing::info!(node = %name, pid = child.id(), addr = %local_addr, "agent started");
         let node = Node {
             name,
             child: Some(child),
             etcd_proxy,
+            store_fwd,
             notice,
             notice_url,
             staging,
@@ -458,8 +512,30 @@ impl Run<'_> {
                     });
                 }
             }
-            FaultKind::Partition => n.etcd_proxy.fault_for(Mode::Down, dur),
-            FaultKind::Blackhole => n.etcd_proxy.fault_for(Mode::Blackhole, dur),
+            FaultKind::Partition | FaultKind::Blackhole => {
+                let mode = if f.kind == FaultKind::Partition {
+                    Mode::Down
+                } else {
+                    Mode::Blackhole
+                };
+                n.etcd_proxy.fault_for(mode, dur);
+                if let Some(fwd) = &n.store_fwd {
+                    fwd.fault_for(mode, dur);
+                }
+                if let Some(link) = self.net.as_ref().and_then(|net| net.link_switch(f.node)) {
+                    // Packets to and from the peers are dropped: their collectives with this
+                    // node stall until the agents re-form without it.
+                    link.set(false)?;
+                    tracing::info!(node = %n.name, "link down");
+                    tokio::spawn(async move {
+                        tokio::time::sleep(dur).await;
+                        let r = tokio::task::spawn_blocking(move || link.set(true)).await;
+                        if !matches!(r, Ok(Ok(()))) {
+                            tracing::error!("link did not come back up: {r:?}");
+                        }
+                    });
+                }
+            }
             FaultKind::StagingFull => {
                 let dir = n.staging.clone();
                 if n.staging_mounted {
@@ -764,6 +840,13 @@ async fn run_once(
             (format!("s3://chaos/{job}"), env, Some(proxy))
         }
     };
+    let net = match s.network {
+        sc::Network::Loopback => None,
+        sc::Network::Netns => Some(
+            tokio::task::block_in_place(Network::create)
+                .with_context(|| format!("scenario {}: network = \"netns\"", s.name))?,
+        ),
+    };
     let mut small_staging: Vec<usize> = faults
         .iter()
         .filter(|f| f.kind == FaultKind::StagingFull)
@@ -779,6 +862,7 @@ async fn run_once(
         env: env.clone(),
         etcd: Arc::new(Mutex::new(etcd)),
         store_proxy,
+        net,
         nodes: vec![],
         small_staging,
         mounts: Mounts::default(),

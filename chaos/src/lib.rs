@@ -7,8 +7,11 @@
 //!   replays the same schedule).
 //! - [`proxy`]: a TCP fault proxy (per-node etcd partitions and black holes; object-store
 //!   outages, slowness and 503s).
+//! - [`netns`]: a network namespace per simulated node, with a real address on a private
+//!   bridge, for scenarios whose partitions must cut a node off from its peers too.
 //! - [`harness`]: runs a scenario: etcd, moto, proxies, N `elastic-run` agents as simulated
-//!   nodes on loopback, the faults, then the checks and the report.
+//!   nodes (on loopback, or each in its own network namespace), the faults, then the checks and
+//!   the report.
 //! - [`invariants`]: the checks, pure functions of the events, faults and end state.
 //! - [`watch`]: watches the checkpoint store during a run (the newest commit never goes back,
 //!   nothing visible as committed is partial).
@@ -22,6 +25,7 @@
 
 pub mod harness;
 pub mod invariants;
+pub mod netns;
 pub mod proxy;
 pub mod report;
 pub mod scenario;

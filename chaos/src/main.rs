@@ -43,7 +43,18 @@ enum Cmd {
         out: PathBuf,
         #[arg(long)]
         seed: Option<u64>,
+        /// auto: half the scenarios in network namespaces when they can be made here (root),
+        /// loopback: none, netns: half, and fail if they cannot be made.
+        #[arg(long, value_enum, default_value = "auto")]
+        network: SoakNetwork,
     },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum SoakNetwork {
+    Auto,
+    Loopback,
+    Netns,
 }
 
 fn random_seed() -> u64 {
@@ -174,8 +185,27 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Cmd::Soak { minutes, out, seed } => {
-            let tools = match tools.for_scenario(&random_scenario(0), explicit_bin) {
+        Cmd::Soak {
+            minutes,
+            out,
+            seed,
+            network,
+        } => {
+            let netns_ok = match network {
+                SoakNetwork::Loopback => false,
+                SoakNetwork::Auto | SoakNetwork::Netns => match chaos::netns::available() {
+                    Ok(()) => true,
+                    Err(e) if network == SoakNetwork::Auto => {
+                        println!("soak: every node on loopback (no network namespaces: {e:#})");
+                        false
+                    }
+                    Err(e) => {
+                        eprintln!("elastic-chaos: {e:#}");
+                        return ExitCode::from(2);
+                    }
+                },
+            };
+            let tools = match tools.for_scenario(&random_scenario(0, netns_ok), explicit_bin) {
                 Ok(t) => t,
                 Err(e) => {
                     eprintln!("elastic-chaos: {e:#}");
@@ -187,10 +217,10 @@ fn main() -> ExitCode {
             let mut seed = seed.unwrap_or_else(random_seed);
             let mut n = 0;
             while std::time::Instant::now() < until {
-                let s = random_scenario(seed);
+                let s = random_scenario(seed, netns_ok);
                 println!(
-                    "soak run {n}: seed {seed}: {} node(s) x {}, {} scaling, {:?} store",
-                    s.nodes, s.nproc_per_node, s.lr_scaling, s.store
+                    "soak run {n}: seed {seed}: {} node(s) x {}, {} scaling, {:?} store, {:?}",
+                    s.nodes, s.nproc_per_node, s.lr_scaling, s.store, s.network
                 );
                 let dir = out.join(format!("run-{n}-{seed}"));
                 match rt.block_on(harness::run(&s, seed, &tools, &dir)) {

@@ -59,6 +59,16 @@ impl Proxy {
     /// Listens on a free loopback port and forwards to `target`.
     pub async fn start(target: SocketAddr) -> std::io::Result<Proxy> {
         let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+        Self::serve_on(listener, target)
+    }
+
+    /// Serves on `listener` (non-blocking; for example one opened inside a node's network
+    /// namespace, see [`crate::netns`]) and forwards to `target` from this process's network.
+    pub fn start_on(listener: std::net::TcpListener, target: SocketAddr) -> std::io::Result<Proxy> {
+        Self::serve_on(TcpListener::from_std(listener)?, target)
+    }
+
+    fn serve_on(listener: TcpListener, target: SocketAddr) -> std::io::Result<Proxy> {
         let addr = listener.local_addr()?;
         let (mode, mode_rx) = watch::channel(Mode::Up);
         let task = tokio::spawn(serve(listener, target, mode_rx));

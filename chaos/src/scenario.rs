@@ -13,6 +13,8 @@
 //! batch_size = 8
 //! global_batch = 48          # fixed only
 //! store = "file"             # file | s3 (moto, behind a fault proxy)
+//! network = "loopback"       # loopback | netns: a network namespace and a real address per
+//!                            #   node; a partition then cuts the node off from its peers too
 //! lease_ttl_ms = 2000
 //! settle_ms = 500
 //! below_min_timeout_ms = 5000  # survivors below min_nodes fail after this (agent default if unset)
@@ -60,9 +62,12 @@ pub enum FaultKind {
     /// SIGSTOP one worker of a node (a hang), SIGCONT after `duration_s`.
     SigstopWorker,
     /// Cut one node off from etcd for `duration_s`: its connections are reset, new ones refused.
+    /// With `network = "netns"` its link to the other nodes goes down too (their collectives
+    /// with it stall), and so does its way to the object store.
     Partition,
     /// Cut one node off from etcd for `duration_s` silently: its packets vanish (the proxy holds
-    /// every byte), so its etcd client has to notice by timeouts.
+    /// every byte), so its etcd client has to notice by timeouts. With `network = "netns"`, as
+    /// for `partition`, its link to the other nodes and to the store is cut too.
     Blackhole,
     /// Kill etcd, start it again after `duration_s`.
     EtcdRestart,
@@ -136,6 +141,19 @@ pub enum Expect {
 pub enum StoreKind {
     File,
     S3,
+}
+
+/// How the simulated nodes are networked.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Network {
+    /// Every node on the host's loopback; partitions cut a node off from etcd (and the store)
+    /// through its proxies only.
+    #[default]
+    Loopback,
+    /// A network namespace per node with an address of its own on a private bridge (see
+    /// `chaos::netns`; needs root). Partitions also take the node's link down.
+    Netns,
 }
 
 fn d_nproc() -> u32 {
@@ -215,6 +233,8 @@ pub struct Scenario {
     pub global_batch: Option<u64>,
     #[serde(default = "d_store")]
     pub store: StoreKind,
+    #[serde(default)]
+    pub network: Network,
     #[serde(default = "d_ttl")]
     pub lease_ttl_ms: u64,
     #[serde(default = "d_settle")]
@@ -476,8 +496,9 @@ pub fn schedule(s: &Scenario, seed: u64) -> Vec<Fault> {
 
 /// A random scenario for `soak`, entirely from `seed`: 2 or 3 nodes of 1 or 2 workers, a
 /// random scaling policy and store, and 2 or 3 random faults of every kind the store allows.
-/// Sized for a small machine (at most 4 workers, a couple of minutes).
-pub fn random_scenario(seed: u64) -> Scenario {
+/// Sized for a small machine (at most 4 workers, a couple of minutes). With `netns_ok`, half
+/// the scenarios put every node in a network namespace of its own.
+pub fn random_scenario(seed: u64, netns_ok: bool) -> Scenario {
     // Another stream than the schedule's, which uses `seed` itself.
     let mut rng = Rng::new(seed ^ 0x5EED_50A4_0000_0001);
     let nodes = 2 + rng.below(2) as usize;
@@ -512,7 +533,7 @@ pub fn random_scenario(seed: u64) -> Scenario {
             FaultKind::StoreErrors,
         ]);
     }
-    let s = Scenario {
+    let mut s = Scenario {
         name: "soak".into(),
         seed: Some(seed),
         nodes,
@@ -526,6 +547,7 @@ pub fn random_scenario(seed: u64) -> Scenario {
         batch_size,
         global_batch: (lr_scaling == "fixed").then_some(batch_size * nodes as u64 * nproc as u64),
         store,
+        network: Network::Loopback,
         lease_ttl_ms: d_ttl(),
         settle_ms: d_settle(),
         below_min_timeout_ms: None,
@@ -548,6 +570,10 @@ pub fn random_scenario(seed: u64) -> Scenario {
             window_s: [3.0, 12.0],
         }),
     };
+    // Drawn last, so that the draws above (and so older seeds' scenarios) stay as they were.
+    if netns_ok && rng.below(2) == 0 {
+        s.network = Network::Netns;
+    }
     debug_assert!(s.validate().is_ok(), "{:?}", s.validate());
     s
 }
@@ -614,21 +640,26 @@ window_s = [1, 30]
     #[test]
     fn random_scenarios_are_valid_and_follow_their_seed() {
         for seed in 0..200 {
-            let s = random_scenario(seed);
+            let s = random_scenario(seed, true);
             s.validate().unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-            assert_eq!(s, random_scenario(seed));
+            assert_eq!(s, random_scenario(seed, true));
+            // Without namespaces, the same scenario on loopback.
+            let mut plain = s.clone();
+            plain.network = Network::Loopback;
+            assert_eq!(random_scenario(seed, false), plain, "seed {seed}");
             assert!(s.base_world() <= 4, "seed {seed}");
             let text = toml::to_string(&s).unwrap();
             assert_eq!(Scenario::parse(&text, "replay").unwrap(), s, "seed {seed}");
         }
         let shapes: std::collections::BTreeSet<_> = (0..200)
             .map(|seed| {
-                let s = random_scenario(seed);
+                let s = random_scenario(seed, true);
                 (
                     s.nodes,
                     s.nproc_per_node,
                     s.lr_scaling,
                     s.store == StoreKind::S3,
+                    s.network,
                 )
             })
             .collect();
