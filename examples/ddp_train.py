@@ -132,8 +132,14 @@ def main():
             os._exit(3)
         stop = er.should_stop(step)
         if stop or er.should_checkpoint(step) or step == args.steps:
-            er.save(step, model=model, optimizer=opt,
-                    extra={"samples_seen": samples_seen, "rng": torch.get_rng_state(), "world_size": world})
+            state = {"samples_seen": samples_seen, "rng": torch.get_rng_state(), "world_size": world}
+            if stop or step == args.steps:
+                # The last one: written before the worker exits.
+                er.save(step, model=model, optimizer=opt, extra=state)
+            else:
+                # Returns once the state is captured; a thread writes it while the next step
+                # runs (opt.step() waits for the write before it changes the weights).
+                er.async_save(step, model=model, optimizer=opt, extra=state)
             saved_step = step
             if rank == 0:
                 print(f"saved step {step}", flush=True)

@@ -13,10 +13,13 @@ Typical loop::
         train_one_step(lr=er.scaled_lr(base_lr, step))
         er.report_progress(step)
         stop = er.should_stop(step)
-        if stop or er.should_checkpoint(step):
-            er.save(step, model=model, optimizer=opt, extra={...})
         if stop:
+            er.save(step, model=model, optimizer=opt, extra={...})
             break
+        if er.should_checkpoint(step):
+            # Returns once the state is captured; a thread writes it while training goes on
+            # (opt.step() waits for the write). er.save(...) is the blocking form.
+            er.async_save(step, model=model, optimizer=opt, extra={...})
 
 Snapshot layout (one directory per rank, written under a temporary name and renamed)::
 
@@ -44,6 +47,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 import warnings
 
@@ -65,6 +69,9 @@ __all__ = [
     "should_checkpoint",
     "should_stop",
     "save",
+    "async_save",
+    "wait",
+    "PendingSave",
     "load",
     "report_progress",
     "assign_keys",
@@ -448,46 +455,135 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def save(step, model=None, optimizer=None, extra=None):
-    """Writes this rank's share of the state for ``step`` into staging, then tells the agent.
-
-    ``extra`` is a dict of JSON values and tensors (RNG states, data position...). Every rank
-    must call this at the same step with the same replicated state. Returns the directory
-    written.
-
-    Outside elastic-run (plain ``torchrun`` or ``python``, no ``$ELASTIC_STAGING_DIR``) there
-    is no agent to commit a snapshot: it warns once and returns None, so one script runs under
-    both launchers.
-    """
+def _staging_dir(caller):
+    """$ELASTIC_STAGING_DIR, or None (warned once) outside elastic-run."""
     global _warned_no_staging
     staging = os.environ.get("ELASTIC_STAGING_DIR")
-    if not staging:
-        if not _warned_no_staging:
-            _warned_no_staging = True
-            warnings.warn(
-                "elastic_run.save: ELASTIC_STAGING_DIR is not set (not under elastic-run); "
-                "checkpoints are not written",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return None
-    from safetensors.torch import save_file
+    if not staging and not _warned_no_staging:
+        _warned_no_staging = True
+        warnings.warn(
+            f"elastic_run.{caller}: ELASTIC_STAGING_DIR is not set (not under elastic-run); "
+            "checkpoints are not written",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return staging or None
 
+
+def _storage_key(t):
+    return t.untyped_storage().data_ptr() if t.numel() else None
+
+
+def _guarded_storages(optimizer):
+    """Storages that only ``optimizer.step()`` changes: its parameters and its state tensors."""
+    out = set()
+    if optimizer is None:
+        return out
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out.add(_storage_key(p))
+            for v in optimizer.state.get(p, {}).values():
+                if _is_tensor(v):
+                    out.add(_storage_key(v))
+    out.discard(None)
+    return out
+
+
+class _Snapshot:
+    """One rank's share of one step, ready to be written. Its tensors are either the training
+    state's own memory (written as they are: nothing may change them until the write ends) or
+    host copies made for the snapshot; the writer moves device tensors to the host one by one."""
+
+    def __init__(self, staging, step, rank_, world, tensors, rest):
+        self.staging, self.step, self.rank, self.world = staging, step, rank_, world
+        self.tensors = tensors
+        # The JSON state as text now: later changes to the objects it came from do not reach
+        # the snapshot, and what is not JSON fails here, in the caller.
+        self.rest_json = json.dumps(rest)
+
+
+def _snapshot(staging, step, model, optimizer, extra, copy_unguarded):
     step, r, w = int(step), rank(), world_size()
     tensors, rest = _flatten(model, optimizer, extra)
     owner = assign_keys({k: v.numel() * v.element_size() for k, v in tensors.items()}, w)
-    mine, seen = {}, set()
+    guarded = _guarded_storages(optimizer) if copy_unguarded else set()
+    mine = {}
     for k, v in tensors.items():
         if owner[k] != r:
             continue
-        t = v.detach().to("cpu").contiguous()
-        # safetensors refuses tensors sharing memory (tied weights): copy repeats.
-        ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else None
-        if ptr is not None and ptr in seen:
-            t = t.clone()
-        seen.add(ptr)
+        t = v.detach()
+        if copy_unguarded and _storage_key(t) not in guarded:
+            # Buffers (BatchNorm statistics change in forward), extra tensors, and parameters
+            # without an optimizer to guard them: copied now.
+            t = t.to("cpu", copy=True)
+        # Tensors sharing memory (tied weights) need nothing special: the writer writes each
+        # key's bytes on their own.
         mine[k] = t
-    step_dir = os.path.join(staging, f"step-{step}")
+    return _Snapshot(staging, step, r, w, mine, rest)
+
+
+# safetensors dtype names.
+_SAFETENSORS_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+# One os.write at most (Linux writes at most 2 GiB - 4 KiB per call).
+_WRITE_BYTES_MAX = 1 << 30
+
+
+def _write_safetensors(path, tensors, metadata):
+    """Writes ``tensors`` (name -> tensor) as a safetensors file straight from their memory: an
+    8-byte little-endian header length, the JSON header padded with spaces to 8 bytes, then
+    every tensor's bytes in name order. Device tensors are copied to the host one at a time.
+    ``os.write`` releases the GIL, so a writer thread lets training go on meanwhile."""
+    import struct
+
+    import torch
+
+    names = sorted(tensors)
+    header, off = {}, 0
+    for n in names:
+        t = tensors[n]
+        dtype = _SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(f"tensor {n!r}: dtype {t.dtype} cannot be stored in safetensors")
+        size = t.numel() * t.element_size()
+        header[n] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [off, off + size]}
+        off += size
+    header["__metadata__"] = metadata
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, struct.pack("<Q", len(h)) + h)
+        for n in names:
+            t = tensors[n]
+            if t.numel() == 0:
+                continue
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            if not t.is_contiguous():
+                t = t.contiguous()
+            _write_all(fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd, buf):
+    mv = memoryview(buf)
+    while mv:
+        n = os.write(fd, mv[:_WRITE_BYTES_MAX])
+        mv = mv[n:]
+
+
+def _write_snapshot(snap, conn):
+    """Writes ``snap`` under a temporary name, fsyncs, renames it into place, and tells the
+    agent (``conn``; None outside elastic-run). Returns the directory."""
+    step, r = snap.step, snap.rank
+    step_dir = os.path.join(snap.staging, f"step-{step}")
     final = os.path.join(step_dir, f"rank-{r}")
     tmp = os.path.join(step_dir, f".rank-{r}.tmp-{os.getpid()}")
     os.makedirs(step_dir, exist_ok=True)
@@ -498,31 +594,135 @@ def save(step, model=None, optimizer=None, extra=None):
         "format_version": FORMAT_VERSION,
         "step": step,
         "rank": r,
-        "world_size": w,
-        "keys": sorted(mine),
+        "world_size": snap.world,
+        "keys": sorted(snap.tensors),
+        # Every rank records the (replicated) JSON state, so any node's agent can commit.
+        "state": json.loads(snap.rest_json),
     }
-    # Every rank records the (replicated) JSON state, so any node's agent can commit the step.
-    meta["state"] = rest
-    tpath = os.path.join(tmp, _TENSORS)
-    save_file(mine, tpath, metadata={"step": str(step), "rank": str(r)})
+    _write_safetensors(os.path.join(tmp, _TENSORS), snap.tensors, {"step": str(step), "rank": str(r)})
     mpath = os.path.join(tmp, _META)
     with open(mpath, "w") as f:
         json.dump(meta, f)
-    for p in (tpath, mpath):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        f.flush()
+        os.fsync(f.fileno())
     _fsync_dir(tmp)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.rename(tmp, final)
     _fsync_dir(step_dir)
-    conn = _agent_conn()
     if conn is not None:
         conn.request({"type": "saved", "rank": r, "step": step, "dir": final}, timeout_s=SAVED_TIMEOUT_S)
     return final
+
+
+def save(step, model=None, optimizer=None, extra=None):
+    """Writes this rank's share of the state for ``step`` into staging, then tells the agent.
+
+    ``extra`` is a dict of JSON values and tensors (RNG states, data position...). Every rank
+    must call this at the same step with the same replicated state. Returns the directory
+    written. A pending :func:`async_save` is finished first.
+
+    Outside elastic-run (plain ``torchrun`` or ``python``, no ``$ELASTIC_STAGING_DIR``) there
+    is no agent to commit a snapshot: it warns once and returns None, so one script runs under
+    both launchers.
+    """
+    wait()
+    staging = _staging_dir("save")
+    if staging is None:
+        return None
+    # Nothing runs until the write ends: every tensor is written from its own memory.
+    snap = _snapshot(staging, step, model, optimizer, extra, copy_unguarded=False)
+    return _write_snapshot(snap, _agent_conn())
+
+
+class PendingSave:
+    """An :func:`async_save` in progress: a thread is writing the snapshot."""
+
+    def __init__(self, step):
+        self.step = step
+        self._done = threading.Event()
+        self._result = None
+        self._error = None
+
+    def done(self):
+        return self._done.is_set()
+
+    def wait(self, timeout_s=None):
+        """Waits for the write (and the agent's acknowledgement); returns the directory
+        written, or raises what the writer raised. ``timeout_s``: ``TimeoutError`` after it."""
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"elastic_run: the save of step {self.step} is still being written")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+_pending = None
+_pending_lock = threading.Lock()
+
+
+def wait():
+    """Waits for the pending :func:`async_save`, if any, and raises its error. Returns the
+    directory it wrote, or None."""
+    global _pending
+    with _pending_lock:
+        p = _pending
+    if p is None:
+        return None
+    try:
+        return p.wait()
+    finally:
+        with _pending_lock:
+            if _pending is p:
+                _pending = None
+
+
+def _step_pre_hook(optimizer, args, kwargs):
+    # optimizer.step() changes the parameters and the optimizer state in place: the pending
+    # snapshot must be written first.
+    wait()
+
+
+def async_save(step, model=None, optimizer=None, extra=None):
+    """Like :func:`save`, but returns as soon as the state is captured; a thread writes it into
+    staging and tells the agent. Returns a :class:`PendingSave` (None outside elastic-run).
+
+    What stays consistent: the parameters and the optimizer state are written from their own
+    memory, so ``optimizer.step()`` of the optimizer passed here waits for the write first (a
+    step pre-hook), as do the next ``save``/``async_save`` and :func:`wait`. Buffers
+    (BatchNorm statistics change in forward), ``extra`` tensors, and the parameters when no
+    optimizer is given are copied before this returns. Code that changes parameters in place
+    other than through ``optimizer.step()`` must call :func:`wait` before it does. The write's
+    error, if any, is raised at that next wait. One save is in flight at a time."""
+    global _pending
+    wait()
+    staging = _staging_dir("async_save")
+    if staging is None:
+        return None
+    if optimizer is not None and not getattr(optimizer, "_elastic_run_hooked", False):
+        optimizer.register_step_pre_hook(_step_pre_hook)
+        optimizer._elastic_run_hooked = True
+    snap = _snapshot(staging, step, model, optimizer, extra, copy_unguarded=True)
+    pending = PendingSave(snap.step)
+    path = os.environ.get("ELASTIC_AGENT_SOCKET")
+
+    def write():
+        # A connection of its own: the training thread keeps using the shared one meanwhile.
+        conn = _Agent(path) if path else None
+        try:
+            pending._result = _write_snapshot(snap, conn)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
+            pending._error = e
+        finally:
+            if conn is not None:
+                conn.close()
+            pending._done.set()
+
+    with _pending_lock:
+        _pending = pending
+    # Not a daemon: an interpreter that exits still finishes the write.
+    threading.Thread(target=write, name=f"elastic_run-save-{snap.step}").start()
+    return pending
 
 
 def load(model=None, optimizer=None, resume_dir=None):

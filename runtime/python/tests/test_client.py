@@ -185,7 +185,9 @@ class AgentProtocol(Env):
         self.assertLess(len(agent.requests), 5)
 
 
-class Snapshots(Env):
+class TorchEnv(Env):
+    """torch, and a small trained model (no tests of its own)."""
+
     def setUp(self):
         super().setUp()
         import torch
@@ -203,6 +205,8 @@ class Snapshots(Env):
             opt.step()
         return model, opt
 
+
+class Snapshots(TorchEnv):
     def test_two_ranks_split_the_state_and_any_world_loads_it_back(self):
         torch = self.torch
         staging = os.path.join(self.tmp.name, "staging")
@@ -316,7 +320,163 @@ class Snapshots(Env):
         self.assertTrue(torch.equal(fresh["head"].weight, emb.weight))
 
 
-class RestoredLayout(Snapshots):
+class AsyncSaves(TorchEnv):
+    def setup_env(self, agent=None):
+        staging = os.path.join(self.tmp.name, "staging")
+        kv = dict(ELASTIC_STAGING_DIR=staging, RANK=0, WORLD_SIZE=1)
+        if agent is not None:
+            kv["ELASTIC_AGENT_SOCKET"] = agent.path
+        else:
+            os.environ.pop("ELASTIC_AGENT_SOCKET", None)
+        self.env(**kv)
+        return staging
+
+    def state_of(self, model, opt):
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        osd = opt.state_dict()["state"]
+        return sd, {(i, n): v.clone() for i, st in osd.items() for n, v in st.items() if self.torch.is_tensor(v)}
+
+    def test_returns_before_the_write_and_the_step_after_waits_for_it(self):
+        torch = self.torch
+        path = os.path.join(self.tmp.name, "a.sock")
+        # The agent takes 0.5 s to acknowledge: the write cannot have finished when async_save
+        # returns, and opt.step() must not change the state before it has.
+        agent = FakeAgent(path, saved_delay_s=0.5)
+        self.addCleanup(agent.close)
+        staging = self.setup_env(agent)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        x = torch.randn(4, 8)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        before, before_opt = self.state_of(model, opt)
+        # The writer starts writing only once the forward below has run.
+        go = threading.Event()
+        write = er._write_safetensors
+
+        def gated(*a, **kw):
+            self.assertTrue(go.wait(10))
+            return write(*a, **kw)
+
+        with mock.patch.object(er, "_write_safetensors", gated):
+            pending = er.async_save(3, model=model, optimizer=opt, extra={"data_pos": 9, "rng": torch.ones(2)})
+            self.assertFalse(pending.done())
+            # Training goes on: forward changes BatchNorm's running statistics (copied at the
+            # call), and the step waits for the write before it changes parameters and Adam's
+            # state.
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            self.assertFalse(torch.equal(model[1].running_mean, before["1.running_mean"]))
+            go.set()
+            loss.backward()
+            opt.step()
+        self.assertTrue(pending.done())
+        d = pending.wait()
+        self.assertEqual(d, os.path.join(staging, "step-3", "rank-0"))
+        self.assertEqual([q["step"] for q in agent.requests if q["type"] == "saved"], [3])
+        fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+        step, extra = er.load(model=fresh, optimizer=fresh_opt, resume_dir=os.path.dirname(d))
+        self.assertEqual((step, extra["data_pos"]), (3, 9))
+        after, after_opt = self.state_of(fresh, fresh_opt)
+        self.assertEqual(sorted(after), sorted(before))
+        for k in before:
+            self.assertTrue(torch.equal(after[k], before[k]), k)
+        self.assertEqual(sorted(after_opt), sorted(before_opt))
+        for k in before_opt:
+            self.assertTrue(torch.equal(after_opt[k], before_opt[k]), k)
+        # The model itself has moved on since.
+        self.assertFalse(torch.equal(model.state_dict()["0.weight"], before["0.weight"]))
+
+    def test_a_failed_write_is_raised_at_the_next_step(self):
+        staging = self.setup_env()
+        model, opt = self.make(0)
+        os.makedirs(staging)
+        # A file where the step's directory must go: the writer thread fails.
+        with open(os.path.join(staging, "step-4"), "w") as f:
+            f.write("in the way")
+        pending = er.async_save(4, model=model, optimizer=opt)
+        with self.assertRaises(OSError):
+            opt.step()
+        with self.assertRaises(OSError):
+            pending.wait()
+        # Reported once; the next save goes ahead.
+        self.assertIsNone(er.wait())
+        self.assertTrue(os.path.isdir(er.save(5, model=model, optimizer=opt)))
+
+    def test_the_next_save_waits_for_the_pending_one(self):
+        staging = self.setup_env()
+        model, opt = self.make(0)
+        first = er.async_save(1, model=model, optimizer=opt)
+        second = er.async_save(2, model=model, optimizer=opt)
+        self.assertTrue(first.done())
+        second.wait()
+        self.assertEqual(sorted(os.listdir(staging)), ["step-1", "step-2"])
+
+    def test_without_an_optimizer_the_parameters_are_copied_at_the_call(self):
+        torch = self.torch
+        staging = self.setup_env()
+        model, _ = self.make(0)
+        w = model[0].weight.detach().clone()
+        pending = er.async_save(1, model=model)
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        pending.wait()
+        fresh, _ = self.make(1)
+        er.load(model=fresh, resume_dir=os.path.join(staging, "step-1"))
+        self.assertTrue(torch.equal(fresh[0].weight, w))
+
+    def test_outside_elastic_run_it_warns_and_returns_none(self):
+        os.environ.pop("ELASTIC_STAGING_DIR", None)
+        model, opt = self.make(0)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            self.assertIsNone(er.async_save(1, model=model, optimizer=opt))
+        self.assertIn("ELASTIC_STAGING_DIR", str(w[0].message))
+
+
+class SafetensorsWriter(TorchEnv):
+    def test_every_dtype_shape_and_layout_reads_back_through_safetensors(self):
+        torch = self.torch
+        from safetensors import safe_open
+
+        base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+        tensors = {
+            "f32": base,
+            "bf16": base.to(torch.bfloat16),
+            "f16": base.to(torch.float16),
+            "f64": base.to(torch.float64),
+            "i64": torch.arange(5),
+            "u8": torch.arange(7, dtype=torch.uint8),
+            "bool": torch.tensor([True, False, True]),
+            "scalar": torch.tensor(3.5),
+            "empty": torch.zeros(0, 3),
+            "transposed": base.t(),
+            "strided": base[:, ::2],
+            "naïve/ключ": torch.ones(2),
+        }
+        path = os.path.join(self.tmp.name, "t.safetensors")
+        er._write_safetensors(path, tensors, {"step": "1"})
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+        self.assertEqual(n % 8, 0)
+        with safe_open(path, framework="pt") as f:
+            self.assertEqual(f.metadata(), {"step": "1"})
+            self.assertEqual(sorted(f.keys()), sorted(tensors))
+            for k, v in tensors.items():
+                got = f.get_tensor(k)
+                self.assertEqual((got.dtype, tuple(got.shape)), (v.dtype, tuple(v.shape)), k)
+                self.assertTrue(torch.equal(got, v), k)
+
+    def test_a_dtype_safetensors_lacks_is_named(self):
+        torch = self.torch
+        with self.assertRaisesRegex(ValueError, "'c': dtype torch.complex64"):
+            er._write_safetensors(os.path.join(self.tmp.name, "c.safetensors"),
+                                  {"c": torch.zeros(2, dtype=torch.complex64)}, {})
+
+
+class RestoredLayout(TorchEnv):
     """The layout the agent's restore writes (the checkpoint crate's ``Store::restore``):
     ``rank-R/state.safetensors`` with every tensor, ``__metadata__`` naming step, rank and world,
     and ``rank-R/metadata.json`` with the manifest metadata under ``"metadata"``."""
