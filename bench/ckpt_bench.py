@@ -2,6 +2,8 @@
 
     python bench/ckpt_bench.py stall|durable|restore --size-gib G --reps N [--warmup 1] \
         [--staging-dir /dev/shm] [--disk-dir /tmp] [--s3]
+    python bench/ckpt_bench.py dcp-s3-once --size-gib G --url s3://BUCKET/PATH   (durable's
+        child for dcp.save to S3: s3fs comes first on its path, see common.ensure_s3fs)
 
 Prints one JSON object per measurement on stdout (progress on stderr). Methods alternate within
 every repetition (the order rotates by one each time) and every one gets the same state object.
@@ -174,9 +176,38 @@ def s3_clear(svc, prefix):
 # --- stall ------------------------------------------------------------------------------------
 
 
+# Rows of the training step the stall benchmark runs between saves.
+STALL_BATCH = 32
+
+
 def bench_stall(a, model, opt, base):
+    """Each measurement: two plain training steps, the save, two more steps. "stall" is how
+    long the save call blocks; "blocked" what the save cost training in all: the call plus how
+    much longer the two steps after it took than the two before (an async save's write competes
+    with them for the cores, and opt.step() waits for elastic_run.async_save's write)."""
     init_gloo()
+    torch.set_flush_denormal(True)  # a deep linear stack's activations shrink towards denormals
+    x = torch.randn(STALL_BATCH, HIDDEN)
     seq = [0]
+
+    def train_step():
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+        return time.perf_counter() - t
+
+    def measured(save, finish=None):
+        before = train_step() + train_step()
+        t = time.perf_counter()
+        handle = save()
+        call = time.perf_counter() - t
+        after = train_step() + train_step()
+        r = {"stall_s": call, "blocked_s": call + after - before, "step_s": before / 2}
+        if finish is not None:
+            finish(handle)
+            r["done_s"] = time.perf_counter() - t
+        return r
 
     def out(name):
         seq[0] += 1
@@ -184,30 +215,31 @@ def bench_stall(a, model, opt, base):
 
     def m_er():
         d = out("er")
-        return {"stall_s": er_save(model, opt, d, seq[0]), "_rm": d}
+        er_env(d)
+        r = measured(lambda: er.save(seq[0], model=model, optimizer=opt))
+        return {**r, "_rm": d}
+
+    def m_er_async():
+        d = out("era")
+        er_env(d)
+        r = measured(lambda: er.async_save(seq[0], model=model, optimizer=opt), lambda p: p.wait())
+        return {**r, "_rm": d}
 
     def m_dcp():
         d = out("dcp")
-        t = time.perf_counter()
-        dcp.save(state_dict(model, opt), checkpoint_id=d)
-        return {"stall_s": time.perf_counter() - t, "_rm": d}
+        return {**measured(lambda: dcp.save(state_dict(model, opt), checkpoint_id=d)), "_rm": d}
 
     def m_dcp_async():
         d = out("dcpa")
-        t = time.perf_counter()
-        resp = dcp.async_save(state_dict(model, opt), checkpoint_id=d)
-        blocked = time.perf_counter() - t
-        wait_async(resp)
-        return {"stall_s": blocked, "done_s": time.perf_counter() - t, "_rm": d}
+        r = measured(lambda: dcp.async_save(state_dict(model, opt), checkpoint_id=d), wait_async)
+        return {**r, "_rm": d}
 
     def m_torch():
         f = out("ts") + ".pt"
-        t = time.perf_counter()
-        torch.save(state_dict(model, opt), f)
-        return {"stall_s": time.perf_counter() - t, "_rm": f}
+        return {**measured(lambda: torch.save(state_dict(model, opt), f)), "_rm": f}
 
-    methods = [("elastic_run.save", m_er), ("dcp.save", m_dcp), ("dcp.async_save", m_dcp_async),
-               ("torch.save", m_torch)]
+    methods = [("elastic_run.save", m_er), ("elastic_run.async_save", m_er_async), ("dcp.save", m_dcp),
+               ("dcp.async_save", m_dcp_async), ("torch.save", m_torch)]
     return methods
 
 
@@ -290,6 +322,25 @@ def bench_durable(a, model, opt, base, disk, moto):
     def file_rm(kind):
         return lambda n: rm(os.path.join(disk, f"{kind}-{n}"))
 
+    def m_dcp_s3(env):
+        # In a child process of its own (s3fs's botocore is not the venv's), which builds the
+        # same state from the same seed; only its dcp.save is timed.
+        deps = common.ensure_s3fs()
+        child_env = dict(env)
+        child_env["PYTHONPATH"] = deps + os.pathsep + child_env.get("PYTHONPATH", "")
+
+        def run():
+            n = nxt()
+            prefix = f"dcp-{n}"
+            _, js = run_tool([sys.executable, os.path.abspath(__file__), "dcp-s3-once", "--size-gib",
+                              str(a.size_gib), "--url", f"s3://{BUCKET}/{prefix}"], child_env)
+            s3_clear(moto, prefix + "/")
+            if js.get("state_bytes") != state_bytes:
+                raise RuntimeError(f"dcp-s3-once built {js.get('state_bytes')} bytes, not {state_bytes}")
+            return {"durable_s": js["durable_s"], "stall_s": js["durable_s"], "uploader_cpu_s": js["save_cpu_s"]}
+        return run
+
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors_of(model, opt))
     methods = [
         ("elastic_run.save + checkpoint push (file)", m_er(file_url("er"), cleanup=file_rm("er"))),
         ("same, compressed (file)", m_er(file_url("erc"), compress="always", cleanup=file_rm("erc"))),
@@ -305,8 +356,28 @@ def bench_durable(a, model, opt, base, disk, moto):
              m_er(lambda n: f"s3://{BUCKET}/er-{n}", env, cleanup=lambda n: s3_clear(moto, f"er-{n}/"))),
             ("raw object_store put (s3)",
              m_raw(lambda n: f"s3://{BUCKET}/raw-{n}", env, cleanup=lambda n: s3_clear(moto, f"raw-{n}/"))),
+            ("dcp.save (s3, fsspec s3fs)", m_dcp_s3(env)),
         ]
     return methods, ref
+
+
+def dcp_s3_once(a):
+    """Builds the state and times one dcp.save of it to S3 through fsspec (s3fs), single file
+    per rank like the file:// rows. Endpoint and keys come from $AWS_ENDPOINT and friends."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    model, opt, _, nbytes = make_state(a.size_gib)
+    writer = FsspecWriter(a.url, key=os.environ["AWS_ACCESS_KEY_ID"],
+                          secret=os.environ["AWS_SECRET_ACCESS_KEY"],
+                          client_kwargs={"endpoint_url": os.environ["AWS_ENDPOINT"],
+                                         "region_name": os.environ.get("AWS_REGION", "us-east-1")})
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t = time.perf_counter()
+    dcp.save(state_dict(model, opt), storage_writer=writer)
+    dt = time.perf_counter() - t
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    emit(durable_s=dt, state_bytes=nbytes,
+         save_cpu_s=(r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime))
 
 
 # --- restore ----------------------------------------------------------------------------------
@@ -447,14 +518,17 @@ def bench_restore(a, model, opt, base, disk, moto):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("bench", choices=["stall", "durable", "restore"])
+    p.add_argument("bench", choices=["stall", "durable", "restore", "dcp-s3-once"])
     p.add_argument("--size-gib", type=float, required=True)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--staging-dir", default="/dev/shm")
     p.add_argument("--disk-dir", default=None)
     p.add_argument("--s3", action="store_true")
+    p.add_argument("--url", help="dcp-s3-once: where to save")
     a = p.parse_args()
+    if a.bench == "dcp-s3-once":
+        return dcp_s3_once(a)
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     base = os.path.join(a.staging_dir, f"elastic-bench-{os.getpid()}")

@@ -27,6 +27,29 @@ def log(*a):
     print("[bench]", *a, file=sys.stderr, flush=True)
 
 
+# DCP writes to S3 through fsspec's s3fs, which pins a botocore older than the one moto and boto3
+# need in the venv: it is installed apart, into this directory, and only the DCP-to-S3 child
+# process puts it first on its path.
+S3FS_VERSION = "2026.9.0"
+S3FS_DIR = os.path.join(REPO, "bench", ".deps", f"s3fs-{S3FS_VERSION}")
+
+
+def ensure_s3fs():
+    """Installs s3fs (pinned) into S3FS_DIR on first use; returns the directory."""
+    if os.path.isdir(os.path.join(S3FS_DIR, "s3fs")):
+        return S3FS_DIR
+    log(f"installing s3fs {S3FS_VERSION} into {S3FS_DIR} (for dcp.save to S3)")
+    tmp = S3FS_DIR + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    p = subprocess.run([os.path.join(VENV, "bin", "python"), "-m", "pip", "install", "-q",
+                        "--disable-pip-version-check", "--target", tmp, f"s3fs=={S3FS_VERSION}"],
+                       capture_output=True, text=True)
+    if not os.path.isdir(os.path.join(tmp, "s3fs")):
+        raise RuntimeError(f"pip install s3fs=={S3FS_VERSION} failed: {p.stderr.strip()[-1000:]}")
+    os.replace(tmp, S3FS_DIR)
+    return S3FS_DIR
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
