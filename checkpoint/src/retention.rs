@@ -165,16 +165,15 @@ impl Store {
                 }
                 GcDecision::Keep => continue,
             };
-            if doomed.is_empty() && item.decision == GcDecision::Keep {
-                continue;
+            if !doomed.is_empty() || item.decision != GcDecision::Keep {
+                tracing::info!(
+                    step = item.step,
+                    objects = doomed.len(),
+                    reason = item.reason,
+                    dry_run,
+                    "gc"
+                );
             }
-            tracing::info!(
-                step = item.step,
-                objects = doomed.len(),
-                reason = item.reason,
-                dry_run,
-                "gc"
-            );
             if dry_run {
                 continue;
             }
@@ -190,9 +189,10 @@ impl Store {
             }
             if item.decision != GcDecision::Keep {
                 self.remove_local_dir(&format::step_dir(item.step)).await?;
-            } else {
+            } else if self.has_local_root() {
                 // Dead attempt directories of a kept step: on file:// they may hold staged
-                // uploads of a killed writer that no listing shows.
+                // uploads of a killed writer that no listing shows (even when nothing listed
+                // was doomed: a writer killed in its first put leaves only those).
                 let step_data = format!("{}/data", format::step_dir(item.step));
                 let m = self.read_manifest(item.step, cancel).await?;
                 for dir in self.list_dirs(&step_data, cancel).await? {

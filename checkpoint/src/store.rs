@@ -181,6 +181,11 @@ impl Store {
         self.is_remote()
     }
 
+    /// Whether the store is a local directory (`file://`).
+    pub(crate) fn has_local_root(&self) -> bool {
+        self.local_root.is_some()
+    }
+
     /// Whether calls cross a network: not a local directory, not memory (judged by the URL,
     /// so a wrapper made with [`Store::from_object_store`] says what it wraps).
     pub(crate) fn is_remote(&self) -> bool {

@@ -142,3 +142,23 @@ fn sigkilled_push_never_shows_a_partial_step_and_the_next_push_succeeds() {
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+/// A writer killed in its very first put leaves only `object_store`'s staged upload (a `#`
+/// name no listing shows) in its attempt directory; gc removes that directory too.
+#[test]
+fn gc_removes_an_attempt_that_left_only_a_staged_upload() {
+    let input = tempfile::tempdir().unwrap();
+    write_inputs(input.path());
+    let bucket = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", bucket.path().display());
+    ok(&["push", input.path().to_str().unwrap(), &url, "--step", "5"]);
+    let dead = bucket
+        .path()
+        .join("steps/00000000000000000005/data/push-00000000000000000000000000000dead");
+    std::fs::create_dir_all(&dead).unwrap();
+    std::fs::write(dead.join("00000.chunk#1"), b"half a chunk").unwrap();
+    ok(&["gc", &url, "--keep-last", "1", "--leftover-age-secs", "0"]);
+    assert!(!dead.exists(), "{} survived gc", dead.display());
+    let v = ok(&["verify", &url]);
+    assert!(v.contains("verified"), "{v}");
+}
