@@ -133,6 +133,8 @@ impl Store {
         let mut bytes_deleted = 0;
         for item in &items {
             let objs = &listings[&item.step];
+            // A kept step's manifest, read once for both its dead objects and its dead directories.
+            let mut kept_manifest = None;
             let doomed: Vec<&(String, u64, i64)> = match item.decision {
                 GcDecision::DeleteCommitted | GcDecision::DeleteLeftover => objs.iter().collect(),
                 GcDecision::Keep if committed.contains(&item.step) => {
@@ -155,13 +157,16 @@ impl Store {
                         })
                         .collect();
                     let manifest_key = format::manifest_key(item.step);
-                    objs.iter()
+                    let doomed = objs
+                        .iter()
                         .filter(|o| {
                             o.0 != manifest_key
                                 && !live_dirs.iter().any(|d| o.0.starts_with(d.as_str()))
                                 && now_ms.saturating_sub(o.2) >= policy.leftover_age_ms_min as i64
                         })
-                        .collect()
+                        .collect();
+                    kept_manifest = Some(m);
+                    doomed
                 }
                 GcDecision::Keep => continue,
             };
@@ -194,7 +199,9 @@ impl Store {
                 // uploads of a killed writer that no listing shows (even when nothing listed
                 // was doomed: a writer killed in its first put leaves only those).
                 let step_data = format!("{}/data", format::step_dir(item.step));
-                let m = self.read_manifest(item.step, cancel).await?;
+                let Some(m) = &kept_manifest else {
+                    continue;
+                };
                 for dir in self.list_dirs(&step_data, cancel).await? {
                     let live = m
                         .parts
