@@ -285,6 +285,9 @@ struct EtcdMember {
     bucket_latest: Option<u64>,
     /// The highest step reported to etcd.
     reported: Option<u64>,
+    /// The highest step given to `report` (seen committed), recorded in etcd or not: told
+    /// again to the handle of a rejoin.
+    committed: Option<u64>,
 }
 
 impl EtcdMember {
@@ -305,6 +308,7 @@ impl EtcdMember {
             snap,
             bucket_latest: None,
             reported: None,
+            committed: None,
         })
     }
 
@@ -317,6 +321,9 @@ impl EtcdMember {
                     tracing::info!(lease = h.lease_id(), "joined the job again");
                     events.emit("joined", json!({"addr": self.cfg.addr, "rejoin": true}));
                     self.snap = h.subscribe();
+                    if let Some(step) = self.committed {
+                        h.note_commit(step);
+                    }
                     self.handle = Some(h);
                     self.reported = None;
                     return Ok(());
@@ -331,7 +338,10 @@ impl EtcdMember {
     }
 
     /// Reports `step` as committed, once, best-effort (the commit itself is durable already).
+    /// A report that fails is still known to this node's rendezvous: should it lead the next
+    /// generation, that generation records the commit and resumes from it.
     async fn report(&mut self, step: u64) {
+        self.committed = self.committed.max(Some(step));
         if self.reported.is_some_and(|r| r >= step) {
             return;
         }

@@ -193,6 +193,9 @@ pub(crate) struct Driver {
     pub epoch_lease: Option<(i64, Instant)>,
     /// Since when this node leads (kept across re-syncs, cleared when it stops leading).
     pub leading_since: Option<Instant>,
+    /// The newest step this node's agent saw committed in the store, plus one (0: none);
+    /// see [`super::Handle::note_commit`].
+    pub known_commit: Arc<AtomicU64>,
 }
 
 enum Exit {
@@ -229,6 +232,16 @@ impl Driver {
 
     fn is_leader(&self) -> bool {
         matches!(&self.view.leader, Some(l) if l.lease_id == self.lease_id)
+    }
+
+    /// A step this node saw committed that `ctl/commit` does not record yet (its report to
+    /// etcd failed, or has not happened yet).
+    fn unrecorded_commit(&self) -> Option<u64> {
+        let known = self.known_commit.load(Ordering::Acquire).checked_sub(1)?;
+        match &self.view.commit {
+            Some(c) if c.step >= known => None,
+            _ => Some(known),
+        }
     }
 
     /// One read-then-watch session. Returns on a leadership change (to re-sync with the right
@@ -495,7 +508,17 @@ impl Driver {
                 Ok(None)
             }
             Decision::Freeze { members, reason } => {
-                let generation = self.build_generation(&members, now_ms)?;
+                // A commit this node saw but etcd did not record (etcd was down when the agent
+                // reported it) is recorded with the generation, which resumes from it: a
+                // survivor never redoes steps a drain saved.
+                let commit = self.unrecorded_commit().map(|step| CommitRecord {
+                    version: record::RECORD_VERSION,
+                    step,
+                    committed_unix_ms: now_ms,
+                    node_id: self.cfg.node_id.clone(),
+                });
+                let generation =
+                    self.build_generation(&members, now_ms, commit.as_ref().map(|c| c.step))?;
                 let epoch_lease = self.epoch_lease_for_write().await?;
                 match ops::write_generation_and_epoch(
                     &mut self.client,
@@ -506,6 +529,7 @@ impl Driver {
                     &generation,
                     Some(epoch_lease),
                     Some(self.view.commit_mod_rev),
+                    commit.as_ref(),
                     self.request_timeout_ms,
                 )
                 .await
@@ -531,6 +555,15 @@ impl Driver {
                             "froze generation"
                         );
                         self.epoch_written(generation.number, epoch_lease);
+                        if let Some(c) = commit {
+                            tracing::info!(
+                                step = c.step,
+                                "recorded a commit etcd had missed with the generation"
+                            );
+                            self.view.commit = Some(c);
+                            self.view.commit_mod_rev = rev;
+                            self.view.commit_rev = rev;
+                        }
                         self.view.generation = Some(Arc::new(generation));
                         self.view.generation_mod_rev = rev;
                         self.publish();
@@ -693,7 +726,14 @@ impl Driver {
         Ok(leads)
     }
 
-    fn build_generation(&self, ids: &[String], now_ms: u64) -> Result<Generation> {
+    /// The generation of `ids`, resuming from `unrecorded_commit` when given, else from the
+    /// newest commit etcd records.
+    fn build_generation(
+        &self,
+        ids: &[String],
+        now_ms: u64,
+        unrecorded_commit: Option<u64>,
+    ) -> Result<Generation> {
         let mut members = Vec::with_capacity(ids.len());
         let mut offset: u32 = 0;
         for id in ids {
@@ -728,7 +768,7 @@ impl Driver {
             master_addr: rank0.addr.clone(),
             master_port: master_port(previous, rank0),
             scaling,
-            resume_step: self.view.commit.as_ref().map(|c| c.step),
+            resume_step: unrecorded_commit.or(self.view.commit.as_ref().map(|c| c.step)),
             created_unix_ms: now_ms,
         })
     }

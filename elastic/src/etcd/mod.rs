@@ -448,6 +448,7 @@ impl Rendezvous {
             };
             let keeper_task = tokio::spawn(keeper.run(granted_at).in_current_span());
             let compacted_watches = Arc::new(AtomicU64::new(0));
+            let known_commit = Arc::new(AtomicU64::new(0));
             let driver = driver::Driver {
                 client: client.clone(),
                 keys: keys.clone(),
@@ -460,6 +461,7 @@ impl Rendezvous {
                 compacted_watches: compacted_watches.clone(),
                 epoch_lease: None,
                 leading_since: None,
+                known_commit: known_commit.clone(),
             };
             let driver_task = tokio::spawn(driver.run().in_current_span());
             Ok(Handle {
@@ -472,6 +474,7 @@ impl Rendezvous {
                 cancel,
                 last_returned: None,
                 compacted_watches,
+                known_commit,
                 tasks: vec![keeper_task, driver_task],
                 span: tracing::Span::current(),
             })
@@ -494,6 +497,8 @@ pub struct Handle {
     /// `(number, created_unix_ms)` of the generation last returned by `next_generation`.
     last_returned: Option<(u64, u64)>,
     compacted_watches: Arc<AtomicU64>,
+    /// The newest step [`Handle::note_commit`] was given, plus one (0: none).
+    known_commit: Arc<AtomicU64>,
     tasks: Vec<JoinHandle<()>>,
     span: tracing::Span,
 }
@@ -600,9 +605,20 @@ impl Handle {
         }
     }
 
+    /// Tells this node's rendezvous that `step` is committed in the store, without asking
+    /// etcd. Should this node freeze the next generation before etcd records the commit (the
+    /// report failed while etcd was down, or is still on its way), that generation records it
+    /// and resumes from it. Give only steps seen committed in the job's store.
+    pub fn note_commit(&self, step: u64) {
+        self.known_commit
+            .fetch_max(step.saturating_add(1), Ordering::AcqRel);
+    }
+
     /// Records `step` as the newest committed checkpoint step, unless a newer one is already
     /// recorded. Used for `AfterCommit` admission and for the next generation's resume step.
+    /// Notes it first ([`Handle::note_commit`]), so a report that fails is not forgotten.
     pub async fn report_commit(&self, step: u64) -> Result<()> {
+        self.note_commit(step);
         let mut client = self.client.clone();
         let timeout_ms = self.cfg.connect.request_timeout_ms;
         let commit_key = self.keys.commit();

@@ -76,6 +76,7 @@ pub async fn write_generation(
         generation,
         None,
         None,
+        None,
         timeout_ms,
     )
     .await
@@ -86,7 +87,9 @@ pub async fn write_generation(
 /// the epoch that keeps its number from being used again after a total loss. With
 /// `commit_mod_revision`, it also fails (as [`Error::NotLeader`]: re-read and decide again)
 /// when `ctl/commit` changed since the leader read it, so a generation never names an older
-/// resume step than the newest commit recorded when it is frozen.
+/// resume step than the newest commit recorded when it is frozen. With `commit`, `ctl/commit`
+/// is put (under the leader's lease) in the same transaction: the leader knew of a newer
+/// commit than etcd recorded, and the generation resumes from it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn write_generation_and_epoch(
     client: &mut Client,
@@ -97,6 +100,7 @@ pub(crate) async fn write_generation_and_epoch(
     generation: &Generation,
     epoch_lease: Option<i64>,
     commit_mod_revision: Option<i64>,
+    commit: Option<&CommitRecord>,
     timeout_ms: u64,
 ) -> Result<i64> {
     let key = keys.generation();
@@ -120,6 +124,13 @@ pub(crate) async fn write_generation_and_epoch(
             keys.epoch(),
             record::encode(&epoch),
             Some(PutOptions::new().with_lease(lease)),
+        ));
+    }
+    if let Some(c) = commit {
+        ops.push(TxnOp::put(
+            keys.commit(),
+            record::encode(c),
+            Some(PutOptions::new().with_lease(leader_lease_id)),
         ));
     }
     let mut when = vec![
