@@ -1,17 +1,23 @@
 """Unit tests for the elastic_run worker client: python -m unittest discover -s runtime/python/tests"""
 
+import errno
 import json
 import os
+import random
 import socket
+import stat
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 import unittest
 import warnings
 from unittest import mock
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+CLIENT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, CLIENT_DIR)
 
 import elastic_run as er  # noqa: E402
 
@@ -24,8 +30,11 @@ def read_json(path):
 class FakeAgent:
     """A Unix-socket agent that records requests and answers like the real one."""
 
-    def __init__(self, path, should_stop=False, checkpoint_at=None, refuse_saved=False, saved_delay_s=0.0):
+    def __init__(self, path, should_stop=False, checkpoint_at=None, refuse_saved=False, saved_delay_s=0.0,
+                 raw_reply=None):
         self.path = path
+        # Bytes sent as they are in reply to every request (a misbehaving agent).
+        self.raw_reply = raw_reply
         self.saved_delay_s = saved_delay_s
         self.requests = []
         self.should_stop = should_stop
@@ -47,7 +56,10 @@ class FakeAgent:
 
     def _conn(self, conn):
         with conn, conn.makefile("rb") as f:
-            self._lines(conn, f)
+            try:
+                self._lines(conn, f)
+            except ConnectionResetError:  # the client hung up on a reply it refused
+                pass
 
     def _lines(self, conn, f):
         for line in f:
@@ -55,6 +67,9 @@ class FakeAgent:
             self.requests.append(req)
             if req["type"] == "saved" and self.saved_delay_s:
                 time.sleep(self.saved_delay_s)
+            if self.raw_reply is not None:
+                conn.sendall(self.raw_reply)
+                continue
             if req["type"] == "query":
                 rep = {"type": "state", "should_stop": self.should_stop,
                        "should_checkpoint_at": self.checkpoint_at, "generation": 2}
@@ -476,10 +491,9 @@ class SafetensorsWriter(TorchEnv):
                                   {"c": torch.zeros(2, dtype=torch.complex64)}, {})
 
 
-class RestoredLayout(TorchEnv):
-    """The layout the agent's restore writes (the checkpoint crate's ``Store::restore``):
-    ``rank-R/state.safetensors`` with every tensor, ``__metadata__`` naming step, rank and world,
-    and ``rank-R/metadata.json`` with the manifest metadata under ``"metadata"``."""
+class Restores(TorchEnv):
+    """Stages snapshots through the client and lays them out as the agent's restore does (no
+    tests of its own)."""
 
     def stage(self, step=7, world=2):
         torch = self.torch
@@ -516,6 +530,12 @@ class RestoredLayout(TorchEnv):
             with open(os.path.join(d, "metadata.json"), "w") as f:
                 json.dump(meta, f)
         return out
+
+
+class RestoredLayout(Restores):
+    """The layout the agent's restore writes (the checkpoint crate's ``Store::restore``):
+    ``rank-R/state.safetensors`` with every tensor, ``__metadata__`` naming step, rank and world,
+    and ``rank-R/metadata.json`` with the manifest metadata under ``"metadata"``."""
 
     def test_load_reads_the_agents_restore_layout_at_a_new_world_size(self):
         torch = self.torch
@@ -590,6 +610,475 @@ class RestoredLayout(TorchEnv):
         self.assertTrue(states[0]["optim_param_groups"])
         self.assertEqual(states[0], states[1])
         self.assertEqual(states[0], states[2])
+
+
+# Runs argv[3] in a fresh interpreter whose address space is capped at argv[1] bytes, so that an
+# allocation sized by a hostile value fails there (MemoryError) instead of exhausting the machine.
+# Prints [exception type, message] (["ok", ""] when nothing was raised).
+_LIMITED = r"""
+import json, resource, sys
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+sys.path.insert(0, sys.argv[2])
+import elastic_run as er
+try:
+    exec(sys.argv[3])
+except BaseException as e:
+    print(json.dumps([type(e).__name__, str(e)]))
+else:
+    print(json.dumps(["ok", ""]))
+"""
+
+
+def run_limited(code, limit=1 << 30, timeout_s=60):
+    """``code`` under :data:`_LIMITED`: ``(exception type or "ok", message, seconds)``."""
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", _LIMITED, str(limit), CLIENT_DIR, code],
+                         capture_output=True, text=True, timeout=timeout_s, check=True)
+    kind, msg = json.loads(out.stdout.strip().splitlines()[-1])
+    return kind, msg, time.monotonic() - t0
+
+
+# A field left out of a metadata file or reply.
+DROP = object()
+
+
+def nested(depth):
+    """A JSON array nested ``depth`` deep."""
+    return "[" * depth + "]" * depth
+
+
+def old_assign_keys(sizes, world):
+    """assign_keys as it was first written (one load counter per rank), the reference."""
+    load_bytes = [0] * world
+    out = {}
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        r = min(range(world), key=lambda i: (load_bytes[i], i))
+        out[key] = r
+        load_bytes[r] += sizes[key]
+    return out
+
+
+class BoundedEnvironment(Env):
+    def test_world_sizes_ranks_and_steps_out_of_bounds_are_refused(self):
+        cases = [
+            ("WORLD_SIZE", 10**9, er.world_size),
+            ("WORLD_SIZE", 0, er.world_size),
+            ("WORLD_SIZE", er.WORLD_SIZE_MAX + 1, er.world_size),
+            ("LOCAL_WORLD_SIZE", 10**9, er.local_world_size),
+            ("RANK", -1, er.rank),
+            ("RANK", er.WORLD_SIZE_MAX, er.rank),
+            ("LOCAL_RANK", 10**9, er.local_rank),
+            ("ELASTIC_RESUME_STEP", -1, er.resume_step),
+            ("ELASTIC_RESUME_STEP", er.STEP_MAX + 1, er.resume_step),
+            ("ELASTIC_GENERATION", -3, er.generation),
+            ("ELASTIC_LR_SCALE", "nan", er.lr_scale),
+            ("ELASTIC_LR_SCALE", "inf", er.lr_scale),
+            ("ELASTIC_BATCH_SIZE", "lots", er.batch_size),
+        ]
+        for name, value, read in cases:
+            with self.subTest(name=name, value=value):
+                self.env(**{name: value})
+                with self.assertRaisesRegex(er.FormatError, name):
+                    read()
+        self.env(WORLD_SIZE=er.WORLD_SIZE_MAX, RANK=er.WORLD_SIZE_MAX - 1, ELASTIC_RESUME_STEP=er.STEP_MAX)
+        self.assertEqual((er.world_size(), er.rank(), er.resume_step()),
+                         (er.WORLD_SIZE_MAX, er.WORLD_SIZE_MAX - 1, er.STEP_MAX))
+        self.assertTrue(issubclass(er.FormatError, ValueError))
+        self.assertIn("FormatError", er.__all__)
+
+    def test_a_huge_world_size_in_meta_json_is_refused_before_any_allocation(self):
+        d = os.path.join(self.tmp.name, "step-1")
+        os.makedirs(os.path.join(d, "rank-0"))
+        with open(os.path.join(d, "rank-0", "meta.json"), "w") as f:
+            json.dump({"format_version": 1, "step": 1, "rank": 0, "world_size": 10**9, "keys": [], "state": {}}, f)
+        # Sized by 10**9, a list needs gigabytes: under the cap it would be a MemoryError.
+        kind, msg, took = run_limited(f"er.load(resume_dir={d!r})")
+        self.assertEqual(kind, "FormatError", msg)
+        self.assertIn("meta.json: world_size is 1000000000, not an integer in [1, 1048576]", msg)
+        self.assertLess(took, 20)
+
+    def test_split_memory_does_not_grow_with_the_world_size(self):
+        sizes = {"a": 30, "b": 20, "c": 10}
+        kind, msg, _ = run_limited(f"er.assign_keys({sizes!r}, 10**9)")
+        self.assertEqual(kind, "ValueError", msg)
+        self.assertIn("world size must be an integer in [1, 1048576]", msg)
+        tracemalloc.start()
+        self.addCleanup(tracemalloc.stop)
+        owner = er.assign_keys(sizes, er.WORLD_SIZE_MAX)
+        _, peak = tracemalloc.get_traced_memory()
+        self.assertEqual(owner, {"a": 0, "b": 1, "c": 2})
+        self.assertLess(peak, 64 * 1024)
+
+    def test_split_is_the_one_each_rank_counting_its_bytes_gives(self):
+        rnd = random.Random(7)
+        for _ in range(300):
+            n = rnd.randrange(0, 30)
+            sizes = {f"k{i}": rnd.choice([0, 1, 8, 8, 64, rnd.randrange(1000)]) for i in range(n)}
+            world = rnd.randrange(1, 40)
+            self.assertEqual(er.assign_keys(sizes, world), old_assign_keys(sizes, world), (sizes, world))
+        for world in (0, -1, True, 2.0, er.WORLD_SIZE_MAX + 1):
+            with self.subTest(world=world), self.assertRaises(ValueError):
+                er.assign_keys({"a": 1}, world)
+
+
+class MalformedStaged(TorchEnv):
+    """Staged snapshots (``rank-R/meta.json``) with something wrong: one FormatError each."""
+
+    def write(self, metas, tensors=True):
+        """A staged step, in a directory of its own: ``metas`` are meta.json contents (dicts, or
+        bytes written as they are)."""
+        d = os.path.join(tempfile.mkdtemp(dir=self.tmp.name), "step-3")
+        for r, meta in enumerate(metas):
+            os.makedirs(os.path.join(d, f"rank-{r}"), exist_ok=True)
+            with open(os.path.join(d, f"rank-{r}", "meta.json"), "wb") as f:
+                f.write(meta if isinstance(meta, bytes) else json.dumps(meta).encode())
+            if tensors:
+                er._write_safetensors(os.path.join(d, f"rank-{r}", "tensors.safetensors"), {}, {})
+        return d
+
+    @staticmethod
+    def meta(**kv):
+        m = {"format_version": 1, "step": 3, "rank": 0, "world_size": 1, "keys": [], "state": {}}
+        m.update(kv)
+        return {k: v for k, v in m.items() if v is not DROP}
+
+    def assertRefused(self, d, pattern):
+        with self.assertRaisesRegex(er.FormatError, pattern):
+            er.load(resume_dir=d, optimizer=self.make(0)[1])
+
+    def test_a_valid_empty_snapshot_loads(self):
+        self.assertEqual(er.load(resume_dir=self.write([self.meta()])), (3, {}))
+
+    def test_missing_fields_wrong_types_and_bad_values_are_format_errors(self):
+        deep = {"x": json.loads(nested(er.JSON_DEPTH_MAX))}
+        cases = [
+            # Missing keys (KeyError before).
+            (self.meta(world_size=DROP), r"meta.json: no world_size"),
+            (self.meta(keys=DROP), r"meta.json: no keys"),
+            (self.meta(step=DROP), r"meta.json: no step"),
+            (self.meta(rank=DROP), r"meta.json: no rank"),
+            # Wrong types (TypeError and AttributeError before, or taken as they came).
+            (self.meta(world_size="2"), r"meta.json: world_size is '2', not an integer"),
+            (self.meta(world_size=True), r"meta.json: world_size is True, not an integer"),
+            (self.meta(rank=0.0), r"meta.json: rank is 0.0, not an integer"),
+            (self.meta(step="3"), r"meta.json: step is '3', not an integer"),
+            (self.meta(keys="model/w"), r"meta.json: keys is 'model/w', not an array"),
+            (self.meta(keys=[1]), r"meta.json: keys holds 1, not a string"),
+            (self.meta(keys=["a", "a"]), r"meta.json: keys names a tensor twice"),
+            (self.meta(state=[]), r"meta.json: state is \[\], not an object"),
+            (self.meta(state={"extra": [1]}), r"meta.json: state.extra is \[1\], not an object"),
+            (self.meta(state={"optim_state": {"x": {}}}), r"meta.json: state.optim_state has key 'x'"),
+            (self.meta(state={"optim_state": {"0": 5}}), r"meta.json: state.optim_state\['0'\] is 5"),
+            (self.meta(state={"optim_param_groups": {}}), r"meta.json: state.optim_param_groups is \{\}, not an array"),
+            (self.meta(state={"optim_param_groups": [{"lr": 1}]}), r"no state.optim_param_groups\[0\].params"),
+            (self.meta(state={"optim_param_groups": [{"params": [True]}]}), r"groups\[0\].params holds True"),
+            (self.meta(format_version=True), r"rank-0: unknown snapshot format True"),
+            # Out of bounds.
+            (self.meta(world_size=er.WORLD_SIZE_MAX + 1), r"world_size is 1048577, not an integer in \[1, 1048576\]"),
+            (self.meta(world_size=0), r"meta.json: world_size is 0"),
+            (self.meta(rank=1), r"meta.json: rank is 1, not an integer in \[0, 0\]"),
+            (self.meta(rank=-1), r"meta.json: rank is -1"),
+            (self.meta(step=-1), r"meta.json: step is -1, not an integer in \[0, 9007199254740991\]"),
+            (self.meta(step=2**53), r"meta.json: step is 9007199254740992"),
+            # Not a JSON object, not JSON, not UTF-8, not standard JSON.
+            (b"[1, 2]", r"meta.json: \[1, 2\] is not a JSON object"),
+            (b"null", r"meta.json: None is not a JSON object"),
+            (b"{\"step\": ", r"meta.json: not JSON"),
+            (b"\xff\xfe{}", r"meta.json: not UTF-8"),
+            (json.dumps(self.meta(step=float("nan"))).encode(), r"meta.json: not JSON: NaN is not JSON"),
+            (b'{"step": ' + b"1" * 5000 + b"}", r"meta.json: not JSON: integer of 5000 digits"),
+            # Nested too deep: one level over the bound, and far over (RecursionError before).
+            (json.dumps(self.meta(state={"extra": deep})).encode(), r"meta.json: JSON nested deeper than 64"),
+            (b'{"state": ' + nested(100_000).encode() + b"}", r"meta.json: JSON nested deeper than 64"),
+        ]
+        for i, (meta, pattern) in enumerate(cases):
+            with self.subTest(case=i, pattern=pattern):
+                self.assertRefused(self.write([meta]), pattern)
+
+    def test_brackets_in_strings_do_not_count_as_nesting(self):
+        state = {"extra": {"s": "[[[{{{" * 100 + '\\"]' + "\\", "t": "]]]" * 50}}
+        d = self.write([self.meta(state=state)])
+        self.assertEqual(er.load(resume_dir=d), (3, state["extra"]))
+
+    def test_missing_or_odd_files_and_inconsistent_ranks_are_format_errors(self):
+        d = self.write([self.meta(), self.meta(rank=1)])
+        self.assertRefused(d, r"rank-1/meta.json: rank is 1, not an integer in \[0, 0\]")
+        d = self.write([self.meta(world_size=2), self.meta(rank=0, world_size=2)])
+        self.assertRefused(d, r"rank-1/meta.json: rank 0 in directory rank-1")
+        d = self.write([self.meta(world_size=2), self.meta(rank=1, world_size=3)])
+        self.assertRefused(d, r"incomplete or mixed snapshot: ranks \[0, 1\] of world \[2, 3\]")
+        d = self.write([self.meta(world_size=2), self.meta(rank=1, world_size=2, step=4)])
+        self.assertRefused(d, r"incomplete or mixed snapshot: .* steps \[3, 4\]")
+        d = self.write([self.meta()])
+        os.remove(os.path.join(d, "rank-0", "meta.json"))
+        self.assertRefused(d, r"rank-0/meta.json: missing")
+        os.mkdir(os.path.join(d, "rank-0", "meta.json"))
+        self.assertRefused(d, r"rank-0/meta.json: not a regular file")
+        d = self.write([self.meta()], tensors=False)
+        self.assertRefused(d, r"rank-0/tensors.safetensors: missing")
+        with open(os.path.join(d, "rank-0", "tensors.safetensors"), "wb") as f:
+            f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+        self.assertRefused(d, r"rank-0/tensors.safetensors: not a safetensors file")
+
+    def test_metadata_files_are_read_up_to_the_bound(self):
+        d = self.write([self.meta(state={"extra": {"pad": "x" * 200}})])
+        with mock.patch.object(er, "METADATA_BYTES_MAX", 100):
+            self.assertRefused(d, r"meta.json: over the limit of 100 bytes")
+        self.assertEqual(er.load(resume_dir=d)[0], 3)
+
+
+class MalformedRestored(Restores):
+    """The agent's restore layout (``rank-R/metadata.json``) with something wrong."""
+
+    def restored(self, meta, tensors=None):
+        d = os.path.join(self.tmp.name, "restore", "step-7", "rank-0")
+        os.makedirs(d, exist_ok=True)
+        from safetensors.torch import save_file
+        save_file(tensors or {}, os.path.join(d, "state.safetensors"), metadata={"elastic.step": "7"})
+        with open(os.path.join(d, "metadata.json"), "wb") as f:
+            f.write(meta if isinstance(meta, bytes) else json.dumps(meta).encode())
+        self.env(RANK=0, WORLD_SIZE=1)
+        return os.path.dirname(d)
+
+    @staticmethod
+    def meta(**kv):
+        m = {"step": 7, "rank": 0, "world_size": 1, "saved_world_size": 2,
+             "metadata": {"elastic": {"generation": 3}, "state": {"extra": {"data_pos": 1}}}}
+        m.update(kv)
+        return {k: v for k, v in m.items() if v is not DROP}
+
+    def test_a_valid_restore_loads(self):
+        self.assertEqual(er.load(resume_dir=self.restored(self.meta())), (7, {"data_pos": 1}))
+
+    def test_missing_fields_wrong_types_and_bad_values_are_format_errors(self):
+        cases = [
+            (self.meta(step=DROP), r"metadata.json: no step"),
+            (self.meta(step="7"), r"metadata.json: step is '7', not an integer"),
+            (self.meta(step=2**53), r"metadata.json: step is 9007199254740992, not an integer in \[0, 9007"),
+            (self.meta(world_size=10**9), r"metadata.json: world_size is 1000000000"),
+            (self.meta(rank="0"), r"metadata.json: rank is '0'"),
+            (self.meta(rank=1), r"metadata.json: rank is 1, not an integer in \[0, 0\]"),
+            (self.meta(format_version=True), r"unknown restore format version True"),
+            (self.meta(metadata=[]), r"metadata.json: metadata is \[\], not an object"),
+            (self.meta(metadata={"state": "x"}), r"metadata.json: metadata.state is 'x', not an object"),
+            (self.meta(metadata={"state": {"extra": 5}}), r"metadata.json: metadata.state.extra is 5, not an object"),
+            (self.meta(metadata={"state": {"optim_state": {"01": {}}}}), r"metadata.state.optim_state has key '01'"),
+            (b"[]", r"metadata.json: \[\] is not a JSON object"),
+            (b'{"step": 7, "metadata": ' + nested(100_000).encode() + b"}", r"metadata.json: JSON nested deeper"),
+        ]
+        for i, (meta, pattern) in enumerate(cases):
+            with self.subTest(case=i, pattern=pattern):
+                with self.assertRaisesRegex(er.FormatError, pattern):
+                    er.load(resume_dir=self.restored(meta))
+
+    def test_tensor_files_and_names_that_are_not_the_formats_are_format_errors(self):
+        torch = self.torch
+        out = self.restored(self.meta())
+        with open(os.path.join(out, "rank-0", "state.safetensors"), "wb") as f:
+            f.write(b"garbage")
+        with self.assertRaisesRegex(er.FormatError, r"rank-0/state.safetensors: not a safetensors file"):
+            er.load(resume_dir=out)
+        for name in ("optim/state/x/exp_avg", "optim/state/0", "optim/state/-1/exp_avg"):
+            with self.subTest(name=name):
+                out = self.restored(self.meta(), tensors={name: torch.zeros(1)})
+                with self.assertRaisesRegex(er.FormatError, "is not optim/state/<index>/<name>"):
+                    er.load(resume_dir=out, optimizer=self.make(0)[1])
+
+    def test_state_at_the_depth_bound_saves_and_loads_through_a_restore_and_one_deeper_is_refused(self):
+        # state {"extra": {"x": <k deep>}, ...}: 2 + k levels, and the restore wraps it in 2 more.
+        k = er.JSON_DEPTH_MAX - 4
+        staging = os.path.join(self.tmp.name, "staging")
+        self.env(ELASTIC_STAGING_DIR=staging, RANK=0, WORLD_SIZE=1)
+        os.environ.pop("ELASTIC_AGENT_SOCKET", None)
+        model, opt = self.make(0)
+        er.save(7, model=model, optimizer=opt, extra={"x": json.loads(nested(k))})
+        out = self.restore(os.path.join(staging, "step-7"), world=1)
+        _, extra = er.load(model=self.make(1)[0], resume_dir=out)
+        self.assertEqual(json.dumps(extra["x"]), json.dumps(json.loads(nested(k))))
+        with self.assertRaisesRegex(ValueError, "the JSON state is nested deeper than 62 levels"):
+            er.save(8, model=model, optimizer=opt, extra={"x": json.loads(nested(k + 1))})
+        with mock.patch.object(er, "METADATA_BYTES_MAX", 100):
+            with self.assertRaisesRegex(ValueError, "over the limit of 100$"):
+                er.async_save(9, model=model, optimizer=opt)
+        self.assertEqual(os.listdir(staging), ["step-7"])
+
+
+class MalformedReplies(Env):
+    """An agent whose every reply is ``raw``: one FormatError each, never a leaked KeyError,
+    JSONDecodeError, RecursionError or a reply taken as it came."""
+
+    def agent(self, raw):
+        path = os.path.join(self.tmp.name, f"a{len(os.listdir(self.tmp.name))}.sock")
+        agent = FakeAgent(path, raw_reply=raw)
+        self.addCleanup(agent.close)
+        er._reset_for_tests()
+        self.env(ELASTIC_AGENT_SOCKET=path, LOCAL_RANK=0, RANK=0)
+        return agent
+
+    def test_query_replies(self):
+        def state(**kv):
+            m = {"type": "state", "should_stop": False, "should_checkpoint_at": None, "generation": 2}
+            m.update(kv)
+            return json.dumps({k: v for k, v in m.items() if v is not DROP}).encode() + b"\n"
+
+        cases = [
+            (b"[]\n", r"agent reply b'\[\]': not a JSON object"),
+            (b"7\n", r"not a JSON object"),
+            (b"garbage\n", r"agent reply: not JSON"),
+            (b"\xff\n", r"agent reply: not UTF-8"),
+            (nested(30_000).encode() + b"\n", r"agent reply: JSON nested deeper than 64"),
+            (b'{"should_stop": true}\n', r"agent reply: no type"),
+            (b'{"type": 5}\n', r"agent reply: type is 5, not a string"),
+            (b'{"type": "ok"}\n', r"agent reply to 'query' is of type 'ok', not 'state'"),
+            (b'{"type": "error", "message": ["x"]}\n', r"agent reply: message is \['x'\], not a string"),
+            (state(should_stop=DROP), r"agent reply to 'query': no should_stop"),
+            (state(should_stop="yes"), r"agent reply to 'query': should_stop is 'yes', not true or false"),
+            (state(should_stop=1), r"should_stop is 1, not true or false"),
+            (state(should_checkpoint_at="12"), r"should_checkpoint_at is '12', not an integer"),
+            (state(should_checkpoint_at=True), r"should_checkpoint_at is True, not an integer"),
+            (state(should_checkpoint_at=-1), r"should_checkpoint_at is -1, not an integer in \[0, 9007199254740991\]"),
+            (state(should_checkpoint_at=2**53), r"should_checkpoint_at is 9007199254740992"),
+            (state(should_checkpoint_at=1.5), r"should_checkpoint_at is 1.5"),
+            (b'{"type": "state", "should_stop": false, "should_checkpoint_at": NaN}\n', r"NaN is not JSON"),
+        ]
+        for raw, pattern in cases:
+            with self.subTest(raw=raw[:60]):
+                self.agent(raw)
+                with self.assertRaisesRegex(er.FormatError, pattern):
+                    er.should_stop(1)
+        self.agent(state(should_checkpoint_at=er.STEP_MAX))
+        self.assertFalse(er.should_stop(1))
+        self.assertTrue(er.should_checkpoint(er.STEP_MAX))
+
+    def test_a_reply_too_long_closes_the_connection(self):
+        self.agent(b"x" * (er.MESSAGE_BYTES_MAX + 10))
+        with self.assertRaisesRegex(er.FormatError, r"agent reply longer than 65536 bytes"):
+            er.should_stop(1)
+        self.assertIsNone(er._agent.sock)
+
+    def test_a_reply_of_the_wrong_type_to_progress(self):
+        self.agent(b'{"type": "state", "should_stop": false}\n')
+        with self.assertRaisesRegex(er.FormatError, r"agent reply to 'progress' is of type 'state', not 'ok'"):
+            er.report_progress(1, force=True)
+
+
+class StepsAndModes(TorchEnv):
+    def test_steps_outside_the_json_safe_integers_are_refused_before_anything_is_written(self):
+        torch = self.torch
+        staging = os.path.join(self.tmp.name, "staging")
+        self.env(ELASTIC_STAGING_DIR=staging, RANK=0, WORLD_SIZE=1)
+        os.environ.pop("ELASTIC_AGENT_SOCKET", None)
+        model, opt = self.make(0)
+        for step in (-1, er.STEP_MAX + 1, 2**64, 1.5, 2.0, True, "3", None, torch.tensor(2.0)):
+            for save in (er.save, er.async_save):
+                with self.subTest(step=step, save=save.__name__):
+                    pattern = rf"elastic_run.{save.__name__}: step .* is not an integer in \[0, 9007199254740991\]"
+                    with self.assertRaisesRegex(er.FormatError, pattern):
+                        save(step, model=model, optimizer=opt)
+        self.assertFalse(os.path.exists(staging))
+        # Integers of other types (numpy, 0-d tensors) are integers; the largest step is fine.
+        er.save(torch.tensor(4), model=model, optimizer=opt)
+        er.async_save(er.STEP_MAX, model=model, optimizer=opt).wait()
+        self.assertEqual(sorted(os.listdir(staging)), ["step-4", f"step-{er.STEP_MAX}"])
+        self.assertEqual(read_json(os.path.join(staging, "step-4", "rank-0", "meta.json"))["step"], 4)
+        self.assertEqual(er.load(model=model, resume_dir=os.path.join(staging, f"step-{er.STEP_MAX}"))[0], er.STEP_MAX)
+
+    def test_a_rank_outside_the_world_is_refused(self):
+        self.env(ELASTIC_STAGING_DIR=os.path.join(self.tmp.name, "s"), RANK=2, WORLD_SIZE=2)
+        with self.assertRaisesRegex(er.FormatError, "RANK=2 is not below WORLD_SIZE=2"):
+            er.save(1, model=self.make(0)[0])
+
+    def test_what_save_writes_is_private_whatever_the_umask(self):
+        model, opt = self.make(0)
+        os.environ.pop("ELASTIC_AGENT_SOCKET", None)
+        for umask in (0o000, 0o022, 0o277):
+            with self.subTest(umask=oct(umask)):
+                # The staging directory and a parent of it do not exist yet: save makes them.
+                top = os.path.join(self.tmp.name, f"u{umask:o}")
+                staging = os.path.join(top, "staging")
+                self.env(ELASTIC_STAGING_DIR=staging, RANK=0, WORLD_SIZE=2)
+                old = os.umask(umask)
+                try:
+                    er.save(1, model=model, optimizer=opt)
+                    self.env(RANK=1)
+                    er.async_save(1, model=model, optimizer=opt).wait()
+                finally:
+                    os.umask(old)
+                modes = {}
+                for root, dirs, files in os.walk(top):
+                    for n in dirs + files:
+                        p = os.path.join(root, n)
+                        modes[os.path.relpath(p, top)] = stat.S_IMODE(os.lstat(p).st_mode)
+                want = {"staging": 0o700, "staging/step-1": 0o700}
+                for r in (0, 1):
+                    want[f"staging/step-1/rank-{r}"] = 0o700
+                    want[f"staging/step-1/rank-{r}/meta.json"] = 0o600
+                    want[f"staging/step-1/rank-{r}/tensors.safetensors"] = 0o600
+                self.assertEqual({k: oct(v) for k, v in modes.items()}, {k: oct(v) for k, v in want.items()})
+                self.assertEqual(stat.S_IMODE(os.stat(top).st_mode), 0o700)
+
+
+class StagingFull(TorchEnv):
+    """A full staging file system skips that checkpoint, with the sizes, and training goes on."""
+
+    def _full_staging(self):
+        # A real, tiny tmpfs where this machine lets us mount one (CI runs as root); else the
+        # same ENOSPC injected at the write.
+        staging = os.path.join(self.tmp.name, "shm")
+        os.makedirs(staging)
+        if os.geteuid() == 0 and subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", staging],
+                capture_output=True).returncode == 0:
+            self.addCleanup(subprocess.run, ["umount", "-l", staging], capture_output=True)
+            return staging, None
+        real = er._write_all
+
+        def full(fd, buf):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        er._write_all = full
+        return staging, lambda: setattr(er, "_write_all", real)
+
+    def test_a_checkpoint_that_does_not_fit_is_skipped_with_the_sizes_and_the_next_that_fits_is_written(self):
+        torch = self.torch
+        staging, undo = self._full_staging()
+        self.env(ELASTIC_STAGING_DIR=staging, RANK=0, WORLD_SIZE=1)
+        os.environ.pop("ELASTIC_AGENT_SOCKET", None)
+        torch.manual_seed(0)
+        big = torch.nn.Linear(256, 256)  # 257 KiB of weights: more than the 64 KiB staging
+        opt = torch.optim.SGD(big.parameters(), lr=0.1)
+        for save in (er.save, lambda s, **kw: er.async_save(s, **kw).wait()):
+            with self.assertWarnsRegex(RuntimeWarning, r"skipping the checkpoint of step 3 on rank 0: "
+                                       r"the staging file system .* is full .*snapshot is \d+ bytes"):
+                self.assertIsNone(save(3, model=big, optimizer=opt))
+            # Nothing of the skipped snapshot is left to fill the staging further.
+            self.assertEqual(os.listdir(os.path.join(staging, "step-3")), [])
+        # Training goes on: the optimizer steps (async_save's hook does not raise)...
+        big(torch.randn(2, 256)).sum().backward()
+        opt.step()
+        if undo:
+            undo()
+        # ...and a snapshot that fits is written as usual.
+        small = torch.nn.Linear(2, 2)
+        self.assertTrue(er.save(4, model=small))
+        self.assertEqual(er.load(model=small, resume_dir=os.path.join(staging, "step-4"))[0], 4)
+
+    def test_the_agent_hears_of_a_skipped_snapshot_so_that_no_node_waits_for_it(self):
+        torch = self.torch
+        staging, undo = self._full_staging()
+        if undo:
+            self.addCleanup(undo)
+        path = os.path.join(self.tmp.name, "a.sock")
+        agent = FakeAgent(path)
+        self.addCleanup(agent.close)
+        self.env(ELASTIC_STAGING_DIR=staging, ELASTIC_AGENT_SOCKET=path, RANK=0, LOCAL_RANK=0, WORLD_SIZE=1)
+        torch.manual_seed(0)
+        big = torch.nn.Linear(256, 256)
+        with self.assertWarnsRegex(RuntimeWarning, "skipping the checkpoint of step 6 on rank 0"):
+            self.assertIsNone(er.save(6, model=big))
+        told = [r for r in agent.requests if r["type"] != "query"]
+        self.assertEqual([(r["type"], r["rank"], r["step"]) for r in told], [("skipped", 0, 6)])
+        self.assertIn("is full", told[0]["reason"])
 
 
 if __name__ == "__main__":
