@@ -20,6 +20,9 @@ pub enum StoreErrorKind {
     Unauthenticated,
     PermissionDenied,
     InvalidPath,
+    /// On a local store, something other than a regular file (a FIFO, a symlink, a device)
+    /// stands where an object belongs: bad data, never opened.
+    NotARegularFile,
     /// Anything else (network, 5xx, throttling): worth retrying.
     Other,
 }
@@ -90,6 +93,25 @@ pub enum Error {
         reason: String,
     },
 
+    /// The step can never be committed as staged (over a format limit, empty): retrying
+    /// the same parts cannot help, and nothing was written.
+    #[error("{store}: step {step} is refused: {reason}")]
+    Rejected {
+        store: String,
+        step: u64,
+        reason: String,
+    },
+
+    /// A writer the commit waits for gave the step up (see `format`'s abandonment marker):
+    /// its part will never come.
+    #[error("{store}: step {step} was given up by writer {writer}: {reason}")]
+    Abandoned {
+        store: String,
+        step: u64,
+        writer: String,
+        reason: String,
+    },
+
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
@@ -128,7 +150,12 @@ impl Error {
             | Error::UnsupportedVersion { .. }
             | Error::InvalidSafetensors { .. }
             | Error::InvalidName { .. } => true,
-            Error::Store { kind, .. } => *kind == StoreErrorKind::NotFound,
+            Error::Store { kind, .. } => {
+                matches!(
+                    kind,
+                    StoreErrorKind::NotFound | StoreErrorKind::NotARegularFile
+                )
+            }
             _ => false,
         }
     }

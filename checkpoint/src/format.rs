@@ -7,8 +7,14 @@
 //! ```text
 //! steps/<step:020>/data/<writer>-<attempt>/<chunk:06>.bin   chunk objects of one part
 //! steps/<step:020>/parts/<writer>-<attempt>.json            part record, written after its data
+//! steps/<step:020>/parts/<writer>.abandoned                 the writer gave the step up (optional)
 //! steps/<step:020>/manifest.json                            the commit, written last
 //! ```
+//!
+//! A writer that cannot save its part (its staging disk is full) may say so with a small JSON
+//! object, `{"format_version":1,"step":S,"writer":W,"reason":"...","created_unix_ms":T}`, so
+//! committers stop waiting for a part that will never come; it never commits or uncommits
+//! anything, and gc removes it with the step's other leftovers.
 //!
 //! `<step:020>` is the step zero-padded to 20 digits so keys sort by step. `<writer>` is the
 //! saver's id (`[A-Za-z0-9_.-]{1,64}`, e.g. `rank-3`) and `<attempt>` a random 128-bit hex id
@@ -43,6 +49,27 @@
 //! Readers validate all of it before use: known version, safe names, lengths within bounds,
 //! segments that cover every object byte exactly once, byte counts that agree with dtype × shape, shards that tile dim 0,
 //! and headers that agree with the tensor list. Checksums are checked on every read.
+//!
+//! # What bad input gets
+//!
+//! Nothing below panics, and none of it costs a committed step. "Falls back" means: a read
+//! of the newest step (`pull` without `--step`, `restore`, the agent's resume) warns with
+//! the step and the bad object and takes the previous committed step that reads whole;
+//! asked for by number, the step is an error naming the object.
+//!
+//! | input | what happens |
+//! |---|---|
+//! | a chunk with a flipped bit, truncated, extended or missing | the checksum or length check names the object; falls back |
+//! | a manifest that is not JSON, of an unknown `format_version`, over [`MANIFEST_BYTES_MAX`], or breaking any rule above | `InvalidManifest` / `UnsupportedVersion` naming the key; falls back; `ls` shows it as "committed but invalid" |
+//! | a manifest naming a file where another needs a directory (`a.safetensors` and `a.safetensors/b.safetensors`) | invalid manifest; falls back |
+//! | a FIFO, socket, device or symlink where an object belongs (`file://`) | never opened (a FIFO would block); the object is "not a regular file"; falls back |
+//! | a name with `..`, `.`, an empty component, a leading `/`, NUL, backslash or any control character (terminal escapes) | refused at push and in manifests; human output escapes control characters anyway |
+//! | a safetensors header over [`HEADER_BYTES_MAX`], not UTF-8 or JSON, with unknown dtypes, gaps, overlaps, or offsets whose sums overflow | `InvalidSafetensors` naming the file |
+//! | a step over [`STEP_MAX`] (2^53 - 1) | refused at push, save, commit and in manifests and worker messages |
+//! | a push of a directory with no `*.safetensors` file, or one that is a symlink or not a regular file | refused, nothing written (symlinks are never followed) |
+//! | a commit whose merged manifest would be over the read limit, or hold no file | `Rejected` before anything is written: the step number stays free |
+//! | `gc` when the newest steps do not verify | they do not count toward `--keep-last`; the newest step that verifies is never deleted |
+//! | `pull` into a non-empty directory, or through a symlink inside it | refused without `--force`; never through or over a symlink, even with it |
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -60,6 +87,18 @@ pub const MANIFEST_BYTES_MAX: u64 = 256 * 1024 * 1024;
 pub const CHUNK_RAW_BYTES_LIMIT: u64 = 1024 * 1024 * 1024;
 /// The longest file or tensor name accepted.
 pub const NAME_BYTES_MAX: usize = 1024;
+/// The largest step number: 2^53 - 1, the largest integer every JSON reader (JavaScript's,
+/// and Python's through a float) holds exactly, so a step survives manifests, etcd records
+/// and worker messages unchanged, and `step + 1` never overflows.
+pub const STEP_MAX: u64 = (1 << 53) - 1;
+
+/// Checks a step number against [`STEP_MAX`].
+pub fn validate_step(step: u64) -> Result<(), String> {
+    if step > STEP_MAX {
+        return Err(format!("step {step} is over the largest step {STEP_MAX}"));
+    }
+    Ok(())
+}
 
 pub const STEPS_DIR: &str = "steps";
 pub const MANIFEST_FILE: &str = "manifest.json";
@@ -75,6 +114,13 @@ pub fn parts_dir(step: u64) -> String {
 }
 pub fn part_key(step: u64, writer: &str, attempt: &str) -> String {
     format!("{}/{writer}-{attempt}.json", parts_dir(step))
+}
+/// The suffix of an abandonment marker in a step's `parts/` directory.
+pub const ABANDONED_SUFFIX: &str = ".abandoned";
+/// The longest reason an abandonment marker keeps.
+pub const ABANDON_REASON_BYTES_MAX: usize = 1024;
+pub fn abandoned_key(step: u64, writer: &str) -> String {
+    format!("{}/{writer}{ABANDONED_SUFFIX}", parts_dir(step))
 }
 pub fn data_dir(step: u64, writer: &str, attempt: &str) -> String {
     format!("{}/data/{writer}-{attempt}", step_dir(step))
@@ -106,7 +152,8 @@ pub fn validate_writer(writer: &str) -> Result<(), String> {
 }
 
 /// Checks a relative name (file or tensor): not empty, not absolute, no `..`/`.`/empty
-/// components, no NUL or backslash, at most [`NAME_BYTES_MAX`] bytes.
+/// components, no NUL, backslash or other control character (a name is printed on terminals),
+/// at most [`NAME_BYTES_MAX`] bytes.
 pub fn validate_rel_name(name: &str) -> Result<(), String> {
     if name.is_empty() {
         return Err("name is empty".into());
@@ -119,6 +166,12 @@ pub fn validate_rel_name(name: &str) -> Result<(), String> {
     }
     if name.contains('\\') {
         return Err("name contains a backslash".into());
+    }
+    if let Some(c) = name.chars().find(|c| c.is_control()) {
+        return Err(format!(
+            "name contains the control character U+{:04X}",
+            u32::from(c)
+        ));
     }
     if name.starts_with('/') {
         return Err("name is an absolute path".into());
@@ -265,6 +318,7 @@ impl Manifest {
                 self.step
             ));
         }
+        validate_step(step)?;
         if self.world_size == 0 {
             return Err("world_size is 0".into());
         }
@@ -396,6 +450,18 @@ pub fn validate_content(
             ));
         }
         headers.push(h);
+    }
+    // No file may stand where another needs a directory (`a.safetensors` and
+    // `a.safetensors/b.safetensors`): the step could never be laid out.
+    for name in &names {
+        for (i, _) in name.match_indices('/') {
+            if names.contains(&name[..i]) {
+                return Err(format!(
+                    "file {name:?} lies under {:?}, which is a file too",
+                    &name[..i]
+                ));
+            }
+        }
     }
     claimed.sort();
     for w in claimed.windows(2) {

@@ -187,6 +187,14 @@ impl Store {
                     Err(e) if e.store_kind() == Some(crate::error::StoreErrorKind::NotFound) => {
                         Ok((s, false))
                     }
+                    // Something stands where the manifest belongs: the step counts as
+                    // committed and invalid, so readers see it, say why, and fall back.
+                    Err(e)
+                        if e.store_kind()
+                            == Some(crate::error::StoreErrorKind::NotARegularFile) =>
+                    {
+                        Ok((s, true))
+                    }
                     Err(e) => Err(e),
                 }
             })
@@ -231,14 +239,23 @@ impl Store {
         m: &Manifest,
         cancel: &CancellationToken,
     ) -> Result<()> {
-        futures::stream::iter(m.objects.iter())
-            .map(|o| async move {
-                let size = self.head(&o.key, cancel).await?;
-                if size != o.stored_bytes {
+        // Owned (key, length) pairs: a stream of futures borrowing each entry would make
+        // every future awaiting this one fail rustc's higher-ranked `Send` check once spawned
+        // (the agent's commit loop runs retention, which calls this).
+        let objects: Vec<(String, u64)> = m
+            .objects
+            .iter()
+            .map(|o| (o.key.clone(), o.stored_bytes))
+            .collect();
+        let step = m.step;
+        futures::stream::iter(objects)
+            .map(|(key, stored_bytes)| async move {
+                let size = self.head(&key, cancel).await?;
+                if size != stored_bytes {
                     return Err(self.corrupt(
-                        m.step,
-                        &o.key,
-                        format!("{size} bytes, manifest says {}", o.stored_bytes),
+                        step,
+                        &key,
+                        format!("{size} bytes, manifest says {stored_bytes}"),
                     ));
                 }
                 Ok(())
@@ -461,9 +478,38 @@ impl Store {
         opts: &ReadOptions,
         cancel: &CancellationToken,
     ) -> Result<()> {
+        crate::local::create_dir_private(dest)?;
+        // Directories made for this step, removed again (when still empty) if it fails, so a
+        // failed step leaves nothing behind for a fallback to mix with.
+        let mut made_dirs = Vec::new();
+        let r = self
+            .materialize_into(m, &outs, ops, dest, opts, cancel, &mut made_dirs)
+            .await;
+        if r.is_err() {
+            for d in made_dirs.iter().rev() {
+                let _ = std::fs::remove_dir(d);
+            }
+        }
+        r
+    }
+
+    /// The work of [`Store::materialize`], noting every directory it makes in `made_dirs`.
+    #[allow(clippy::too_many_arguments)]
+    async fn materialize_into(
+        &self,
+        m: &Manifest,
+        outs: &[OutFile],
+        ops: Vec<CopyOp>,
+        dest: &Path,
+        opts: &ReadOptions,
+        cancel: &CancellationToken,
+        made_dirs: &mut Vec<PathBuf>,
+    ) -> Result<()> {
         let mut files = Vec::with_capacity(outs.len());
-        for o in &outs {
-            let f = DurableFile::create(&dest.join(&o.rel))?;
+        for o in outs {
+            // Never through a symlink inside `dest`, and never over one.
+            let f = DurableFile::create_under(dest, &o.rel)?;
+            made_dirs.extend(f.created_dirs.iter().cloned());
             f.set_len(o.total_bytes)?;
             f.write_at(&o.prefix, 0)?;
             files.push(f);
@@ -517,6 +563,52 @@ impl Store {
                     store: self.url().to_string(),
                 }),
         }
+    }
+
+    /// Runs `attempt` on the committed steps from the newest down until one succeeds. A step
+    /// that fails with an integrity error (a corrupt or missing object, a bad manifest) is
+    /// skipped with a warning naming the step and the bad object, and the next older one is
+    /// tried; any other error (the store unreachable, cancellation) ends the search. Returns
+    /// the result and the steps skipped, newest first.
+    pub(crate) async fn newest_committed_that<T, F, Fut>(
+        &self,
+        what: &'static str,
+        cancel: &CancellationToken,
+        mut attempt: F,
+    ) -> Result<(T, Vec<u64>)>
+    where
+        F: FnMut(u64) -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let mut skipped = Vec::new();
+        for step in self.committed_steps(cancel).await?.into_iter().rev() {
+            match attempt(step).await {
+                Ok(v) => return Ok((v, skipped)),
+                Err(e) if e.is_integrity() => {
+                    tracing::warn!(step, error = %e, "committed step does not {what}; falling back to the previous committed step");
+                    skipped.push(step);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(Error::NoCommittedStep {
+            store: self.url().to_string(),
+        })
+    }
+
+    /// [`Store::pull`] of the newest committed step that pulls whole: a step whose manifest
+    /// is invalid or one of whose objects is missing or fails its checksum is skipped (with a
+    /// warning) for the previous one. Nothing of a skipped step is left under `dest` (files
+    /// appear only once all of a step's bytes were read and checked). Returns the manifest
+    /// pulled and the steps skipped, newest first.
+    pub async fn pull_newest(
+        &self,
+        dest: &Path,
+        opts: &ReadOptions,
+        cancel: &CancellationToken,
+    ) -> Result<(Manifest, Vec<u64>)> {
+        self.newest_committed_that("pull", cancel, |step| self.pull(step, dest, opts, cancel))
+            .await
     }
 
     /// Writes every file of a step under `dest`, byte-identical to what was pushed.
@@ -573,32 +665,18 @@ impl Store {
                 .restore_step(step, rank, world, dest, opts, cancel)
                 .await;
         }
-        let mut skipped = Vec::new();
-        for step in self.committed_steps(cancel).await?.into_iter().rev() {
-            // Every rank checks the whole step's presence, not only its own chunks, so ranks
-            // that need different chunks still agree on a step that lost an object.
-            let r = async {
+        let (mut report, skipped) = self
+            .newest_committed_that("restore", cancel, |step| async move {
+                // Every rank checks the whole step's presence, not only its own chunks, so
+                // ranks that need different chunks still agree on a step that lost an object.
                 let m = self.read_manifest(step, cancel).await?;
                 self.check_objects_present(&m, cancel).await?;
                 self.restore_step(step, rank, world, dest, opts, cancel)
                     .await
-            }
-            .await;
-            match r {
-                Ok(mut r) => {
-                    r.skipped_steps = skipped;
-                    return Ok(r);
-                }
-                Err(e) if e.is_integrity() => {
-                    tracing::warn!(step, error = %e, "committed step does not restore; falling back to the previous committed step");
-                    skipped.push(step);
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        Err(Error::NoCommittedStep {
-            store: self.url().to_string(),
-        })
+            })
+            .await?;
+        report.skipped_steps = skipped;
+        Ok(report)
     }
 
     async fn restore_step(

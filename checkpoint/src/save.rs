@@ -210,13 +210,17 @@ fn open_input(name: String, src: Src) -> Result<InputFile> {
     let text_bytes = src.read_at(8, n as usize)?;
     let header = header::parse_header(&text_bytes, &name)?;
     let data_start = 8 + n;
-    if data_start + header.data_bytes != file_bytes {
+    // Checked: data offsets come from outside and may sum past u64 (`[0, 2^64-1]`).
+    let described = data_start.checked_add(header.data_bytes);
+    if described != Some(file_bytes) {
         return Err(Error::InvalidSafetensors {
             file: name,
-            reason: format!(
-                "file has {file_bytes} bytes but its header describes {}",
-                data_start + header.data_bytes
-            ),
+            reason: match described {
+                Some(d) => format!("file has {file_bytes} bytes but its header describes {d}"),
+                None => {
+                    format!("file has {file_bytes} bytes but its header describes more than 2^64")
+                }
+            },
         });
     }
     for t in &header.tensors {
@@ -235,16 +239,45 @@ fn open_input(name: String, src: Src) -> Result<InputFile> {
     })
 }
 
+/// Every `*.safetensors` regular file under `root`, by relative name. The rule for links and
+/// special files: a directory's symlinks are never followed, and an entry named
+/// `*.safetensors` that is not a regular file (a symlink, a FIFO, a socket, a device) is
+/// refused by name, so what is pushed is exactly what the directory holds. Other entries are
+/// ignored. A directory with no `*.safetensors` file at all is refused too: an empty push
+/// would become the newest step and hide every older one from `pull`.
 fn collect_dir(root: &Path) -> Result<Vec<(String, PathBuf)>> {
     /// Bounds the walk (symlink loops are not followed, but depth is bounded anyway).
     const DEPTH_MAX: usize = 32;
+    /// Bounds the entries looked at.
+    const ENTRIES_MAX: usize = 1_000_000;
+    let mut seen = 0usize;
     let mut out = Vec::new();
     let mut stack = vec![(root.to_path_buf(), 0usize)];
     while let Some((dir, depth)) = stack.pop() {
         for entry in std::fs::read_dir(&dir).map_err(|e| Error::io(&dir, e))? {
             let entry = entry.map_err(|e| Error::io(&dir, e))?;
+            seen += 1;
+            if seen > ENTRIES_MAX {
+                return Err(Error::InvalidInput(format!(
+                    "{} holds over {ENTRIES_MAX} entries",
+                    root.display()
+                )));
+            }
             let path = entry.path();
+            // `file_type` does not follow symlinks.
             let ft = entry.file_type().map_err(|e| Error::io(&path, e))?;
+            let named_safetensors = path.extension().is_some_and(|e| e == "safetensors");
+            if named_safetensors && !ft.is_file() && !ft.is_dir() {
+                let what = if ft.is_symlink() {
+                    "a symlink"
+                } else {
+                    "not a regular file"
+                };
+                return Err(Error::InvalidInput(format!(
+                    "{} is {what}; push reads regular files only (copy the file in instead)",
+                    path.display()
+                )));
+            }
             if ft.is_dir() {
                 if depth + 1 > DEPTH_MAX {
                     return Err(Error::InvalidInput(format!(
@@ -253,7 +286,7 @@ fn collect_dir(root: &Path) -> Result<Vec<(String, PathBuf)>> {
                     )));
                 }
                 stack.push((path, depth + 1));
-            } else if ft.is_file() && path.extension().is_some_and(|e| e == "safetensors") {
+            } else if ft.is_file() && named_safetensors {
                 let rel = path.strip_prefix(root).expect("walked under root");
                 let name = rel
                     .to_str()
@@ -265,6 +298,12 @@ fn collect_dir(root: &Path) -> Result<Vec<(String, PathBuf)>> {
                 out.push((name, path));
             }
         }
+    }
+    if out.is_empty() {
+        return Err(Error::InvalidInput(format!(
+            "{} holds no *.safetensors file; refusing to save an empty part",
+            root.display()
+        )));
     }
     out.sort();
     Ok(out)
@@ -400,6 +439,7 @@ impl Store {
             name: input.writer.clone(),
             reason,
         })?;
+        format::validate_step(step).map_err(Error::InvalidInput)?;
         if opts.chunk_bytes_max == 0 || opts.chunk_bytes_max as u64 > format::CHUNK_RAW_BYTES_LIMIT
         {
             return Err(Error::InvalidInput(format!(
@@ -568,6 +608,38 @@ impl Store {
         Ok(record)
     }
 
+    /// Says that `writer` will never save its part of `step` (its staging disk is full, say),
+    /// so that committers waiting for it give the step up at once with
+    /// [`Error::Abandoned`] instead of waiting for their deadline. Commits nothing, deletes
+    /// nothing; a part the writer saved anyway still counts.
+    pub async fn abandon_part(
+        &self,
+        step: u64,
+        writer: &str,
+        reason: &str,
+        cancel: &CancellationToken,
+    ) -> Result<()> {
+        format::validate_writer(writer).map_err(|reason| Error::InvalidName {
+            name: writer.to_string(),
+            reason,
+        })?;
+        format::validate_step(step).map_err(Error::InvalidInput)?;
+        let mut cut = reason.len().min(format::ABANDON_REASON_BYTES_MAX);
+        while !reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let body = serde_json::json!({
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "writer": writer,
+            "reason": &reason[..cut],
+            "created_unix_ms": now_unix_ms(),
+        });
+        let bytes = serde_json::to_vec(&body).expect("marker serializes");
+        self.put(&format::abandoned_key(step, writer), bytes.into(), cancel)
+            .await
+    }
+
     /// Reads and validates the manifest of `step`.
     pub async fn read_manifest(&self, step: u64, cancel: &CancellationToken) -> Result<Manifest> {
         let key = format::manifest_key(step);
@@ -630,14 +702,29 @@ impl Store {
                 "world_size and writers must not be empty".into(),
             ));
         }
+        let rejected = |reason: String| Error::Rejected {
+            store: self.url().to_string(),
+            step,
+            reason,
+        };
+        format::validate_step(step).map_err(rejected)?;
         match self.read_manifest(step, cancel).await {
             Ok(m) => return Ok(CommitOutcome::AlreadyCommitted(m)),
             Err(Error::StepNotFound { .. }) => {}
             Err(e) => return Err(e),
         }
-        // The newest durable attempt of each writer.
+        // The newest durable attempt of each writer, and the writers that gave the step up.
         let mut chosen: BTreeMap<String, PartRecord> = BTreeMap::new();
+        let mut abandoned: BTreeMap<String, String> = BTreeMap::new();
         for (key, _, _) in self.list(&format::parts_dir(step), cancel).await? {
+            if let Some(writer) = key
+                .strip_suffix(format::ABANDONED_SUFFIX)
+                .and_then(|k| k.rsplit('/').next())
+                && req.writers.iter().any(|w| w == writer)
+            {
+                abandoned.insert(writer.to_string(), key.clone());
+                continue;
+            }
             if !key.ends_with(".json") {
                 continue;
             }
@@ -664,6 +751,31 @@ impl Store {
             .iter()
             .filter(|w| !chosen.contains_key(*w))
             .collect();
+        if let Some((writer, key)) = missing
+            .iter()
+            .find_map(|w| abandoned.get_key_value(w.as_str()))
+        {
+            let reason = match self
+                .get_bounded(
+                    key,
+                    format::ABANDON_REASON_BYTES_MAX as u64 * 2 + 512,
+                    cancel,
+                )
+                .await
+            {
+                Ok(b) => serde_json::from_slice::<Value>(&b)
+                    .ok()
+                    .and_then(|v| v.get("reason").and_then(Value::as_str).map(str::to_string))
+                    .unwrap_or_else(|| "no reason given".into()),
+                Err(e) => format!("its marker {key} does not read: {e}"),
+            };
+            return Err(Error::Abandoned {
+                store: self.url().to_string(),
+                step,
+                writer: writer.clone(),
+                reason,
+            });
+        }
         if !missing.is_empty() {
             return Err(incomplete(format!(
                 "no durable part from writers {missing:?}"
@@ -723,7 +835,29 @@ impl Store {
         }
         manifest.tensors.sort_by(|a, b| a.name.cmp(&b.name));
         manifest.validate(step).map_err(incomplete)?;
+        if manifest.files.is_empty() {
+            return Err(rejected(
+                "its parts hold no file: an empty step would hide every older one".into(),
+            ));
+        }
         let json = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
+        // Check before writing what every reader checks after reading: a manifest over the
+        // read limit would be committed, unreadable, and its step number taken for good.
+        let limit = self.opts.manifest_bytes_max.min(MANIFEST_BYTES_MAX);
+        if json.len() as u64 > limit {
+            return Err(rejected(format!(
+                "its manifest would be {} bytes, over the limit of {limit} \
+                 (headers of {} bytes in {} files, {} tensors)",
+                json.len(),
+                manifest
+                    .files
+                    .iter()
+                    .map(|f| f.header.len() as u64)
+                    .sum::<u64>(),
+                manifest.files.len(),
+                manifest.tensors.len()
+            )));
+        }
         let key = format::manifest_key(step);
         if self.put_create(&key, json.into(), cancel).await? {
             tracing::info!(step, objects = manifest.objects.len(), "step committed");

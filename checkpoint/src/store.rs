@@ -29,6 +29,9 @@ pub struct StoreOptions {
     pub multipart_threshold_bytes: usize,
     /// Part size for multipart uploads (S3 needs >= 5 MiB except the last).
     pub multipart_part_bytes: usize,
+    /// The largest manifest a commit writes; never above what readers accept
+    /// ([`crate::format::MANIFEST_BYTES_MAX`], which is also the default).
+    pub manifest_bytes_max: u64,
 }
 
 impl Default for StoreOptions {
@@ -40,6 +43,7 @@ impl Default for StoreOptions {
             backoff_max_ms: 5_000,
             multipart_threshold_bytes: 16 * 1024 * 1024,
             multipart_part_bytes: 8 * 1024 * 1024,
+            manifest_bytes_max: crate::format::MANIFEST_BYTES_MAX,
         }
     }
 }
@@ -277,8 +281,41 @@ impl Store {
         }
     }
 
-    /// Reads a whole object.
+    /// Reads a whole object. On `file://` the object is read here rather than through
+    /// `object_store`, so that only a regular file is ever opened: a FIFO planted where a
+    /// manifest belongs would block an open forever, and a symlink would lead outside.
     pub(crate) async fn get(&self, key: &str, cancel: &CancellationToken) -> Result<Bytes> {
+        if let Some(root) = &self.local_root {
+            let file = root.join(self.path(key).as_ref());
+            let (display, key_owned) = (self.display.clone(), key.to_string());
+            let read = tokio::task::spawn_blocking(move || {
+                use std::io::Read;
+                let mut f = crate::local::open_regular(&file)?;
+                let mut buf = Vec::new();
+                f.read_to_end(&mut buf)?;
+                Ok::<_, std::io::Error>(buf)
+            });
+            let r = tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return Err(Error::Cancelled { op: format!("get {key} on {}", self.display) }),
+                r = read => r.map_err(|e| Error::InvalidInput(format!("read task: {e}")))?,
+            };
+            return r.map(Bytes::from).map_err(|e| {
+                let kind = match e.kind() {
+                    std::io::ErrorKind::NotFound => StoreErrorKind::NotFound,
+                    std::io::ErrorKind::InvalidData => StoreErrorKind::NotARegularFile,
+                    std::io::ErrorKind::PermissionDenied => StoreErrorKind::PermissionDenied,
+                    _ => StoreErrorKind::Other,
+                };
+                Error::Store {
+                    store: display,
+                    op: "get",
+                    key: key_owned,
+                    kind,
+                    message: e.to_string(),
+                }
+            });
+        }
         let path = self.path(key);
         self.retry("get", key, cancel, || async {
             let r = self
@@ -321,8 +358,29 @@ impl Store {
         Ok(b)
     }
 
-    /// The size of an object.
+    /// The size of an object. On `file://` from `lstat`, since `object_store` opens the file
+    /// to stat it, and opening a FIFO blocks.
     pub(crate) async fn head(&self, key: &str, cancel: &CancellationToken) -> Result<u64> {
+        if let Some(root) = &self.local_root {
+            let file = root.join(self.path(key).as_ref());
+            let kind_of = |kind| Error::Store {
+                store: self.display.clone(),
+                op: "head",
+                key: key.to_string(),
+                kind,
+                message: format!("{} is not a regular file", file.display()),
+            };
+            return match std::fs::symlink_metadata(&file) {
+                Ok(m) if m.is_file() => Ok(m.len()),
+                // A directory is no object, as object_store has it.
+                Ok(m) if m.is_dir() => Err(kind_of(StoreErrorKind::NotFound)),
+                Ok(_) => Err(kind_of(StoreErrorKind::NotARegularFile)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    Err(kind_of(StoreErrorKind::NotFound))
+                }
+                Err(e) => Err(Error::io(&file, e)),
+            };
+        }
         let path = self.path(key);
         self.retry("head", key, cancel, || async {
             self.inner

@@ -12,8 +12,12 @@ mod common;
 mod crash;
 #[path = "suite/faults.rs"]
 mod faults;
+#[path = "suite/gc_verify.rs"]
+mod gc_verify;
 #[path = "suite/gcs.rs"]
 mod gcs;
+#[path = "suite/hostile.rs"]
+mod hostile;
 #[path = "suite/python.rs"]
 mod python;
 

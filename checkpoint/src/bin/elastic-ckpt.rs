@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
+use checkpoint::retention::GcCheck;
 use checkpoint::save::Progress;
 use checkpoint::{
     CancellationToken, CommitOutcome, CommitRequest, Compression, PartInput, PartSource,
@@ -63,12 +64,18 @@ enum Cmd {
         #[arg(long, conflicts_with = "compress")]
         no_compress: bool,
     },
-    /// Write a step's files under DIR, byte-identical to what was pushed (newest by default).
+    /// Write a step's files under DIR, byte-identical to what was pushed. By default the
+    /// newest committed step that reads back whole: a newer one that fails its checks is
+    /// skipped with a warning naming the bad object. DIR must be empty or absent.
     Pull {
         url: String,
         dir: PathBuf,
         #[arg(long)]
         step: Option<u64>,
+        /// Pull into a DIR that already holds files: files of the same name are replaced
+        /// (never written through, and never when a symlink stands there), others are kept.
+        #[arg(long)]
+        force: bool,
     },
     /// List committed steps (with --all, uncommitted leftovers too).
     Ls {
@@ -89,16 +96,31 @@ enum Cmd {
         step: Option<u64>,
     },
     /// Delete steps outside the retention policy and old uncommitted leftovers.
+    ///
+    /// Never deletes the newest step that verifies. Committed steps are checked newest first
+    /// until K verify (only those are read, never the ones deleted); a step that does not
+    /// verify does not count toward K, and is kept when it is newer than every step that does.
     Gc {
         url: String,
-        #[arg(long)]
+        /// Steps that verify to keep, newest first (at least 1).
+        #[arg(long, value_parser = parse_keep_last)]
         keep_last: usize,
-        #[arg(long)]
+        /// Also keep every committed step divisible by N.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         keep_every: Option<u64>,
         #[arg(long, default_value_t = LEFTOVER_AGE_SECS_DEFAULT)]
         leftover_age_secs: u64,
         #[arg(long)]
         dry_run: bool,
+        /// Read every object of the steps counted toward --keep-last and check its checksums
+        /// (the default; spelled out for scripts).
+        #[arg(long, conflicts_with = "fast")]
+        verify: bool,
+        /// Check the steps counted toward --keep-last only for a valid manifest and objects of
+        /// their recorded sizes, reading no data: a flipped bit goes unseen, so a corrupt
+        /// newest step can be kept in place of the last good one.
+        #[arg(long)]
+        fast: bool,
     },
     /// Copy committed steps (all, or --step N) from SRC to DST.
     Cp {
@@ -129,10 +151,51 @@ fn main() -> ExitCode {
     match rt.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", printable(&format!("{e:#}")));
             ExitCode::FAILURE
         }
     }
+}
+
+/// Text from a checkpoint made safe for a terminal: control characters (escape sequences
+/// included) are shown escaped, as `\u{1b}`, instead of reaching the terminal. Newlines and
+/// tabs of the tool's own multi-line messages stay.
+fn printable(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if c.is_control() && c != '\n' && c != '\t' {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// A pull writes into an empty or absent directory unless `--force`: mixing a step's files
+/// with whatever was there makes a directory that is neither.
+fn check_pull_target(dir: &std::path::Path, force: bool) -> Result<()> {
+    let meta = match std::fs::symlink_metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("pull target {}", dir.display())),
+    };
+    let is_dir = meta.is_dir() || (meta.file_type().is_symlink() && dir.is_dir());
+    if !is_dir {
+        bail!(
+            "pull target {} exists and is not a directory",
+            dir.display()
+        );
+    }
+    let mut entries =
+        std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
+    if !force && entries.next().is_some() {
+        bail!(
+            "pull target {} is not empty; pull into an empty directory, or pass --force to replace files of the same name",
+            dir.display()
+        );
+    }
+    Ok(())
 }
 
 fn bar(json: bool, len: u64, what: &str) -> (ProgressBar, Option<Progress>) {
@@ -188,6 +251,15 @@ fn utc(ms: u64) -> String {
         rem % 3600 / 60,
         rem % 60
     )
+}
+
+/// `gc --keep-last`: at least 1, since gc never deletes the newest step that verifies.
+fn parse_keep_last(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1: gc never deletes the newest step that verifies".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn open(url: &str) -> Result<Store> {
@@ -304,24 +376,61 @@ async fn run(cli: Cli) -> Result<()> {
                 );
             }
         }
-        Cmd::Pull { url, dir, step } => {
+        Cmd::Pull {
+            url,
+            dir,
+            step,
+            force,
+        } => {
+            check_pull_target(&dir, force)?;
             let store = open(&url)?;
-            let step = store.resolve_step(step, &cancel).await?;
-            let m = store.read_manifest(step, &cancel).await?;
-            let (pb, progress) = bar(json, m.raw_bytes(), "pull");
-            let opts = ReadOptions {
-                concurrency,
-                progress,
+            let (m, skipped) = match step {
+                Some(step) => {
+                    let m = store.read_manifest(step, &cancel).await?;
+                    let (pb, progress) = bar(json, m.raw_bytes(), "pull");
+                    let opts = ReadOptions {
+                        concurrency,
+                        progress,
+                    };
+                    let m = store.pull(step, &dir, &opts, &cancel).await?;
+                    pb.finish_and_clear();
+                    (m, Vec::new())
+                }
+                None => {
+                    // Sized for the newest step; a fallback's bytes carry on past it.
+                    let newest = store.committed_steps(&cancel).await?.last().copied();
+                    let len = match newest {
+                        Some(s) => store
+                            .read_manifest(s, &cancel)
+                            .await
+                            .map_or(0, |m| m.raw_bytes()),
+                        None => 0,
+                    };
+                    let (pb, progress) = bar(json, len, "pull");
+                    let opts = ReadOptions {
+                        concurrency,
+                        progress,
+                    };
+                    let r = store.pull_newest(&dir, &opts, &cancel).await?;
+                    pb.finish_and_clear();
+                    r
+                }
             };
-            let m = store.pull(step, &dir, &opts, &cancel).await?;
-            pb.finish_and_clear();
+            for s in &skipped {
+                eprintln!(
+                    "warning: skipped committed step {s}: it does not read back whole (see the warning above)"
+                );
+            }
             if json {
-                print_json(
-                    &serde_json::json!({"step": step, "files": m.files.iter().map(|f| &f.name).collect::<Vec<_>>()}),
-                )?;
+                print_json(&serde_json::json!({
+                    "step": m.step,
+                    "files": m.files.iter().map(|f| &f.name).collect::<Vec<_>>(),
+                    "skipped_steps": skipped,
+                }))?;
             } else {
                 println!(
-                    "pulled step {step}: {} files into {}",
+                    "pulled step {}: {} files into {}",
+                    m.step,
                     m.files.len(),
                     dir.display()
                 );
@@ -353,8 +462,13 @@ async fn run(cli: Cli) -> Result<()> {
                             utc(m.created_unix_ms)
                         ),
                         (None, Some(e)) => println!(
-                            "{:>12}  {:>10}  {:>10}  {:>5}  {:<20}  committed but invalid: {e}",
-                            s.step, "-", "-", "-", "-"
+                            "{:>12}  {:>10}  {:>10}  {:>5}  {:<20}  committed but invalid: {}",
+                            s.step,
+                            "-",
+                            "-",
+                            "-",
+                            "-",
+                            printable(e)
                         ),
                         (None, None) => println!(
                             "{:>12}  {:>10}  {:>10}  {:>5}  {:<20}  uncommitted",
@@ -389,10 +503,10 @@ async fn run(cli: Cli) -> Result<()> {
                     *codecs.entry(o.codec.name()).or_insert(0usize) += 1;
                 }
                 println!("codecs {codecs:?}");
-                println!("metadata {}", m.metadata);
+                println!("metadata {}", printable(&m.metadata.to_string()));
                 println!("files:");
                 for f in &m.files {
-                    println!("  {}  {}", f.name, human_bytes(f.data_bytes));
+                    println!("  {}  {}", printable(&f.name), human_bytes(f.data_bytes));
                 }
                 println!("tensors:");
                 for t in &m.tensors {
@@ -408,8 +522,8 @@ async fn run(cli: Cli) -> Result<()> {
                     };
                     println!(
                         "  {}  {}  {:?}  {}  {kind}",
-                        t.name,
-                        t.dtype,
+                        printable(&t.name),
+                        printable(&t.dtype),
                         t.shape,
                         human_bytes(bytes)
                     );
@@ -455,12 +569,20 @@ async fn run(cli: Cli) -> Result<()> {
             keep_every,
             leftover_age_secs,
             dry_run,
+            verify: _,
+            fast,
         } => {
             let store = open(&url)?;
             let policy = RetentionPolicy {
                 keep_last,
                 keep_every,
                 leftover_age_ms_min: leftover_age_secs.saturating_mul(1000),
+                check: if fast {
+                    GcCheck::Present
+                } else {
+                    GcCheck::Full
+                },
+                pinned: None,
             };
             let report = store.gc(&policy, dry_run, &cancel).await?;
             if json {
@@ -468,6 +590,9 @@ async fn run(cli: Cli) -> Result<()> {
             } else {
                 for i in &report.items {
                     println!("{:>12}  {:?}  {}", i.step, i.decision, i.reason);
+                }
+                for f in &report.not_verifying {
+                    println!("step {} does not verify: {}", f.step, printable(&f.error));
                 }
                 println!(
                     "{}deleted {} objects, {}",

@@ -369,6 +369,8 @@ pub async fn retention_keeps_last_k_and_every_nth_and_removes_leftovers(store: &
         keep_last: 2,
         keep_every: Some(3),
         leftover_age_ms_min: 0,
+        check: checkpoint::retention::GcCheck::Full,
+        pinned: None,
     };
     let before = store.list_steps(&cancel()).await.unwrap();
     assert_eq!(before.len(), 7);
