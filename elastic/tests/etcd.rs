@@ -680,7 +680,15 @@ async fn scale_up_waiters_are_admitted_by_each_join_policy() {
         "admitted without a commit after joining"
     );
     a.report_commit(4).await.unwrap(); // older: ignored
-    assert_eq!(a.snapshot().latest_commit.unwrap().step, 5);
+    // What etcd holds, and what a's view (its watch, bounded wait) shows.
+    let st = status(&Connect::new([ep.as_str()]), "commit")
+        .await
+        .unwrap();
+    assert_eq!(st.latest_commit.map(|c| c.step), Some(5));
+    until(&a, 2_000, "commit 5", |s| {
+        s.latest_commit.as_ref().map(|c| c.step) == Some(5)
+    })
+    .await;
     a.report_commit(10).await.unwrap();
     let g = next(&mut a, 5_000).await;
     assert_eq!(ids(&g), ["a", "b"]);
@@ -763,10 +771,14 @@ async fn next_generation_resumes_from_a_commit_the_leader_saw_but_etcd_missed() 
     let g1 = leader.next_generation().await.unwrap();
     assert_eq!(g1.members.len(), 2);
     leader.report_commit(30).await.unwrap();
-    until(&other, 2_000, "commit 30", |s| {
-        s.latest_commit.as_ref().map(|c| c.step) == Some(30)
-    })
-    .await;
+    // Both views: the leader's is asserted below, and its watch may deliver the commit after
+    // the other member's does.
+    for h in [&other, &leader] {
+        until(h, 2_000, "commit 30", |s| {
+            s.latest_commit.as_ref().map(|c| c.step) == Some(30)
+        })
+        .await;
+    }
     // The drain's step: committed in the store, its report to etcd lost.
     leader.note_commit(36);
     leader.note_commit(33); // an older step seen later changes nothing

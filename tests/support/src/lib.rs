@@ -6,14 +6,19 @@
 //!   its PID when the handle drops. Children also get `PR_SET_PDEATHSIG`, so a test runner that
 //!   is killed outright takes its services with it.
 //! - [`etcd`], [`moto`], [`azurite`], [`fake_gcs`]: start one service and wait until it answers.
+//!   [`etcd_tls`] starts an etcd with TLS and client certificates ([`TlsFiles`]);
+//!   [`etcd_enable_auth`] turns on an etcd's users and roles (through [`etcdctl`]).
 //! - [`http`]: a minimal HTTP/1.1 client used for readiness checks and for the set-up calls the
 //!   services need (buckets, containers, seeded objects).
+//! - [`metadata`]: local AWS, GCP and Azure instance metadata services (preemption notices)
+//!   that enforce what the real ones do: tokens, headers, `wait_for_change`, approvals.
 //! - [`paths`]: where the installed tools live (the Python environment and `node_modules`
 //!   created by `tests/services/setup.sh`).
 //!
 //! A service that cannot start is an error for the caller to report; nothing here skips.
 
 pub mod http;
+pub mod metadata;
 pub mod paths;
 
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -192,6 +197,214 @@ fn spawn_etcd(data: &Path, port: u16, peer_port: u16, log: &Path) -> Result<Chil
 
 fn etcd_healthy(port: u16) -> bool {
     matches!(http::get(port, "/health"), Ok((200, body)) if body.contains("true"))
+}
+
+/// A test certificate authority, and a server certificate (for `127.0.0.1` and `localhost`) and
+/// a client certificate it signed: PEM files made by the `openssl` command line (ECDSA P-256,
+/// valid for two days). Every [`TlsFiles::generate`] makes a new CA, so the files of two calls
+/// do not trust each other.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+impl TlsFiles {
+    /// Makes a CA and its server and client certificates in `dir` (created if missing).
+    pub fn generate(dir: &Path) -> Result<TlsFiles> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        let days = ["-days", "2"];
+        let mut ca = vec!["req", "-x509"];
+        ca.extend(ec);
+        ca.extend(["-keyout", "ca.key", "-out", "ca.pem"]);
+        ca.extend(["-subj", "/CN=elastic-run-test-ca"]);
+        ca.extend(days);
+        openssl(dir, &ca)?;
+        std::fs::write(
+            dir.join("leaf.cnf"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\n\
+             extendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n",
+        )?;
+        for name in ["server", "client"] {
+            let (key, csr, pem) = (
+                format!("{name}.key"),
+                format!("{name}.csr"),
+                format!("{name}.pem"),
+            );
+            let subj = format!("/CN={name}");
+            let mut req = vec!["req"];
+            req.extend(ec);
+            req.extend(["-keyout", &key, "-out", &csr, "-subj", &subj]);
+            openssl(dir, &req)?;
+            let mut sign = vec![
+                "x509", "-req", "-in", &csr, "-CA", "ca.pem", "-CAkey", "ca.key",
+            ];
+            sign.extend(["-CAcreateserial", "-out", &pem, "-extfile", "leaf.cnf"]);
+            sign.extend(days);
+            openssl(dir, &sign)?;
+        }
+        Ok(TlsFiles {
+            ca: dir.join("ca.pem"),
+            server_cert: dir.join("server.pem"),
+            server_key: dir.join("server.key"),
+            client_cert: dir.join("client.pem"),
+            client_key: dir.join("client.key"),
+        })
+    }
+}
+
+/// Runs the `openssl` command line in `dir`.
+fn openssl(dir: &Path, args: &[&str]) -> Result<()> {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .output()
+        .context("running openssl (the openssl command line makes the test certificates)")?;
+    if !out.status.success() {
+        bail!(
+            "openssl {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// An etcd that speaks TLS only, and only to clients with a certificate signed by its CA
+/// (`--client-cert-auth`). Its certificates live in its data dir.
+pub struct EtcdTls {
+    pub service: Service,
+    pub tls: TlsFiles,
+}
+
+impl EtcdTls {
+    /// `https://127.0.0.1:PORT`, the client endpoint.
+    pub fn endpoint(&self) -> String {
+        format!("https://127.0.0.1:{}", self.service.port)
+    }
+
+    /// `127.0.0.1:PORT`, the form `--rdzv-endpoint` takes.
+    pub fn host_port(&self) -> String {
+        format!("127.0.0.1:{}", self.service.port)
+    }
+}
+
+/// Starts etcd with TLS and client-certificate auth, on certificates made for it
+/// ([`TlsFiles`]). Readiness is read from a plain-HTTP metrics listener (`/health`).
+pub fn etcd_tls() -> Result<EtcdTls> {
+    let bin = paths::etcd()?;
+    let mut last_err = None;
+    for _ in 0..START_ATTEMPTS_MAX {
+        let dir = tempfile::Builder::new().prefix("etcd-tls-").tempdir()?;
+        let tls = TlsFiles::generate(&dir.path().join("tls"))?;
+        let (port, peer_port, metrics_port) = (free_port()?, free_port()?, free_port()?);
+        let log_path = dir.path().join("service.log");
+        let client = format!("https://127.0.0.1:{port}");
+        let peer = format!("http://127.0.0.1:{peer_port}");
+        let mut cmd = Command::new(&bin);
+        cmd.args(["--name", "t", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .arg(format!("--initial-cluster=t={peer}"))
+            .arg(format!(
+                "--listen-metrics-urls=http://127.0.0.1:{metrics_port}"
+            ))
+            .args(["--initial-cluster-state", "new", "--log-level", "warn"])
+            .args(["--heartbeat-interval", "10", "--election-timeout", "100"])
+            .arg("--client-cert-auth")
+            .arg(format!("--trusted-ca-file={}", tls.ca.display()))
+            .arg(format!("--cert-file={}", tls.server_cert.display()))
+            .arg(format!("--key-file={}", tls.server_key.display()));
+        let child = spawn(cmd, &log_path)
+            .with_context(|| format!("starting etcd from {}", bin.display()))?;
+        let mut service = Service {
+            name: "etcd (TLS)",
+            child: Some(child),
+            port,
+            data_dir: Some(dir),
+            log_path,
+        };
+        match wait_ready(&mut service, |_| etcd_healthy(metrics_port)) {
+            Ok(()) => return Ok(EtcdTls { service, tls }),
+            Err(e) => last_err = Some(e),
+        }
+    }
+    Err(last_err.expect("at least one attempt"))
+}
+
+/// Runs `etcdctl` (shipped beside the etcd binary) on `endpoint` with `args`, with none of
+/// the caller's `ETCDCTL_*` settings; returns its standard output.
+pub fn etcdctl(endpoint: &str, args: &[&str]) -> Result<String> {
+    let bin = paths::etcd()?.with_file_name("etcdctl");
+    let mut cmd = Command::new(&bin);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("ETCDCTL_") {
+            cmd.env_remove(&k);
+        }
+    }
+    let out = cmd
+        .env("ETCDCTL_API", "3")
+        .arg(format!("--endpoints={endpoint}"))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    if !out.status.success() {
+        // The first argument is the command; later ones may hold passwords.
+        bail!(
+            "etcdctl {} failed: {}",
+            args.first().copied().unwrap_or(""),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Turns etcd's authentication on: a `root` user with `root_password`, and for each
+/// `(user, password, prefix)` a user whose only role reads and writes the keys under `prefix`
+/// (`etcdctl role grant-permission --prefix`). Every client needs a user name and password
+/// afterwards.
+pub fn etcd_enable_auth(
+    etcd: &Etcd,
+    root_password: &str,
+    users: &[(&str, &str, &str)],
+) -> Result<()> {
+    let ep = etcd.endpoint();
+    etcdctl(&ep, &["user", "add", &format!("root:{root_password}")])?;
+    etcdctl(&ep, &["role", "add", "root"])?;
+    etcdctl(&ep, &["user", "grant-role", "root", "root"])?;
+    for (user, password, prefix) in users {
+        let role = format!("{user}-role");
+        etcdctl(&ep, &["role", "add", &role])?;
+        etcdctl(
+            &ep,
+            &[
+                "role",
+                "grant-permission",
+                &role,
+                "--prefix=true",
+                "readwrite",
+                prefix,
+            ],
+        )?;
+        etcdctl(&ep, &["user", "add", &format!("{user}:{password}")])?;
+        etcdctl(&ep, &["user", "grant-role", user, &role])?;
+    }
+    etcdctl(&ep, &["auth", "enable"])?;
+    Ok(())
 }
 
 /// An S3-compatible server (moto) on loopback.
