@@ -41,7 +41,9 @@
 //! the survivors re-form at once from that step: no step is lost). Workers that never spoke the
 //! protocol (unmodified torchrun scripts) get SIGTERM at once instead. At the end of the grace
 //! (less a kill window of up to 5 s) the group gets SIGTERM, then SIGKILL. A second signal is
-//! forwarded to every worker's process group as is.
+//! forwarded to every worker's process group as is. A notice's Azure event is approved once the
+//! node has left; an AWS rebalance recommendation (`--rebalance-action save`) asks for a
+//! checkpoint at the next step instead of a drain.
 //!
 //! Exit codes: 0 when the workers finished (or drained) cleanly and every commit landed; the
 //! failed worker's exit code (128 + signal when killed) when restarts ran out; 143 for a drain
@@ -79,6 +81,10 @@ const DRAIN_KILL_WINDOW_MAX_MS: u64 = 5_000;
 /// fifth waits on its `saved` reply. That bounds both staging space and the work a crash can
 /// lose while the store is slow.
 const COMMIT_QUEUE_MAX: usize = 1;
+/// Snapshots of this node that may stand in staging at once: the four uncommitted ones above
+/// and the one being written. Staging smaller than that many checkpoints is reported at the
+/// first one; when it fills, a worker skips its snapshot and the step is given up.
+const STAGED_CHECKPOINTS_MAX: u64 = 5;
 /// How long the agent waits for queued worker output to be written before it exits.
 const OUTPUT_FLUSH_MS: u64 = 5_000;
 /// How long pending commits may take after the workers are done, outside a drain.
@@ -95,6 +101,25 @@ const REJOIN_DEADLINE_MS: u64 = 30 * 60_000;
 const FIRST_STEP_POLL_MS: u64 = 50;
 /// Directory under staging where restored steps are laid out.
 const RESTORE_DIR: &str = ".restore";
+/// Bound on writing a given-up checkpoint's marker to the store.
+const GIVE_UP_DEADLINE_MS: u64 = 30_000;
+/// Attempts at restoring a generation's resume step before the agent gives up.
+const RESTORE_ATTEMPTS_MAX: u32 = 6;
+/// Pause after the first failed restore; doubles per attempt up to the max (31 s in all).
+const RESTORE_BACKOFF_INITIAL_MS: u64 = 1_000;
+const RESTORE_BACKOFF_MAX_MS: u64 = 8_000;
+
+/// Whether a failed restore may succeed when tried again: local I/O (a full staging disk)
+/// and store trouble may pass; a bad request or a cancellation does not. A step that does
+/// not verify never reaches here: the sink falls back to an older one.
+fn restore_is_retryable(e: &crate::store_sink::SinkError) -> bool {
+    use crate::store_sink::SinkError as E;
+    match e {
+        E::Cancelled { .. } | E::InvalidInput(_) => false,
+        E::Restore { source, .. } => !source.is_integrity(),
+        _ => true,
+    }
+}
 
 /// A configuration the user must change: reported like a bad flag (exit 2).
 #[derive(Debug, thiserror::Error)]
@@ -182,7 +207,8 @@ pub fn scaling_config(cli: &Cli, nproc: u32) -> ScalingConfig {
 /// `fence_margin_ms`, `request_timeout_ms`; torchrun's `join_timeout` and `timeout` (seconds:
 /// how long the job may stay below `min`) and `last_call_timeout` (seconds: the settle
 /// window) are honoured too, and its `read_timeout`, `keep_alive_interval`,
-/// `keep_alive_max_attempt`, `is_host` are accepted and ignored.
+/// `keep_alive_max_attempt`, `is_host` are accepted and ignored. How to reach etcd (`protocol`,
+/// `cacert`, `cert`, `key`, and the user from the environment) is [`etcd_connect`]'s.
 pub fn rendezvous_config(
     cli: &Cli,
     node_id: &str,
@@ -203,6 +229,7 @@ pub fn rendezvous_config(
     );
     cfg.nproc = nproc;
     cfg.master_port = cli.master_port;
+    cfg.connect = etcd_connect(&cli.rdzv_endpoint, &cli.rdzv_conf)?;
     for (k, v) in &cli.rdzv_conf.0 {
         let ms = |v: &str| -> Result<u64> {
             v.parse::<u64>()
@@ -222,7 +249,7 @@ pub fn rendezvous_config(
             "below_min_timeout_ms" => cfg.below_min_timeout_ms = ms(v)?,
             "join_timeout" | "timeout" => cfg.below_min_timeout_ms = secs(v)?,
             "fence_margin_ms" => cfg.fence_margin_ms = Some(ms(v)?),
-            "request_timeout_ms" => cfg.connect.request_timeout_ms = ms(v)?.max(1),
+            k if RDZV_CONF_CONNECT_KEYS.contains(&k) => {}
             "join_policy" => {
                 cfg.join_policy = match v.as_str() {
                     "immediate" => elastic::JoinPolicy::Immediate,
@@ -238,19 +265,485 @@ pub fn rendezvous_config(
                     },
                 }
             }
-            "read_timeout" | "keep_alive_interval" | "keep_alive_max_attempt" | "is_host" => {}
-            other => {
-                return Err(usage(format!(
-                    "--rdzv-conf: unknown key `{other}` (known: lease_ttl_ms, settle_ms, \
-                     join_policy, below_min_timeout_ms, fence_margin_ms, request_timeout_ms, \
-                     join_timeout, last_call_timeout)"
-                )));
-            }
+            k if RDZV_CONF_IGNORED_KEYS.contains(&k) => {}
+            other => return Err(unknown_rdzv_conf_key(other)),
         }
     }
     cfg.validate()
         .map_err(|e| usage(format!("--rdzv-conf / --nnodes: {e}")))?;
     Ok(cfg)
+}
+
+/// `--rdzv-conf` keys that say how to reach etcd (torchrun's etcd backend's names, and the
+/// request bound), read by [`etcd_connect`].
+pub const RDZV_CONF_CONNECT_KEYS: &[&str] =
+    &["protocol", "cacert", "cert", "key", "request_timeout_ms"];
+/// Every `--rdzv-conf` key the agent reads.
+pub const RDZV_CONF_KEYS: &[&str] = &[
+    "lease_ttl_ms",
+    "settle_ms",
+    "join_policy",
+    "below_min_timeout_ms",
+    "fence_margin_ms",
+    "request_timeout_ms",
+    "join_timeout",
+    "timeout",
+    "last_call_timeout",
+    "protocol",
+    "cacert",
+    "cert",
+    "key",
+];
+/// torchrun's `--rdzv-conf` keys that are accepted and ignored.
+pub const RDZV_CONF_IGNORED_KEYS: &[&str] = &[
+    "read_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "is_host",
+];
+
+/// The usage error for an `--rdzv-conf` key nobody reads.
+pub fn unknown_rdzv_conf_key(key: &str) -> anyhow::Error {
+    usage(format!(
+        "--rdzv-conf: unknown key `{key}` (known: {})",
+        RDZV_CONF_KEYS.join(", ")
+    ))
+}
+
+/// etcd's user name and password (for a cluster with auth on); both or neither.
+pub const ETCD_USERNAME_ENV: &str = "ELASTIC_ETCD_USERNAME";
+pub const ETCD_PASSWORD_ENV: &str = "ELASTIC_ETCD_PASSWORD";
+/// etcdctl's spelling, read when the two above are unset: `user:password`, or `user` with the
+/// password in [`ETCDCTL_PASSWORD_ENV`].
+pub const ETCDCTL_USER_ENV: &str = "ETCDCTL_USER";
+pub const ETCDCTL_PASSWORD_ENV: &str = "ETCDCTL_PASSWORD";
+/// Largest PEM file read for `cacert`, `cert` or `key`.
+const PEM_BYTES_MAX: u64 = 1 << 20;
+
+/// How to reach etcd: the `--rdzv-endpoint` list and the `--rdzv-conf` keys torchrun's etcd
+/// backend uses, `protocol` (`http`, `https`), `cacert` (the CA that signed etcd's server
+/// certificate; needed for https, the system roots are not used), `cert` and `key` (this
+/// node's client certificate, for `--client-cert-auth` clusters), plus `request_timeout_ms`.
+/// `https://` endpoints, or any of the files, mean TLS too. The user and password come from
+/// the environment only ([`ETCD_USERNAME_ENV`] and [`ETCD_PASSWORD_ENV`], else
+/// [`ETCDCTL_USER_ENV`]), so they never sit on a command line, and are never printed.
+/// Files are read here: a missing or malformed one is a usage error before anything starts.
+pub fn etcd_connect(
+    endpoints: &str,
+    conf: &crate::cli::RdzvConf,
+) -> Result<elastic::etcd::Connect> {
+    etcd_connect_from(endpoints, conf, |k| std::env::var(k).ok())
+}
+
+fn etcd_connect_from(
+    endpoints: &str,
+    conf: &crate::cli::RdzvConf,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<elastic::etcd::Connect> {
+    let endpoints = split_endpoints(endpoints);
+    let mut connect = elastic::etcd::Connect::new(endpoints.iter().cloned());
+    if let Some(v) = conf.get("request_timeout_ms") {
+        connect.request_timeout_ms = v
+            .parse::<u64>()
+            .map_err(|_| {
+                usage(format!(
+                    "--rdzv-conf request_timeout_ms={v}: not a number of milliseconds"
+                ))
+            })?
+            .max(1);
+    }
+    let https_endpoint = endpoints.iter().any(|e| e.starts_with("https://"));
+    for e in &endpoints {
+        if let Some((scheme, _)) = e.split_once("://")
+            && scheme != "http"
+            && scheme != "https"
+        {
+            return Err(usage(format!(
+                "--rdzv-endpoint {e}: use HOST:PORT, http://HOST:PORT or https://HOST:PORT"
+            )));
+        }
+    }
+    let files = ["cacert", "cert", "key"].map(|k| conf.get(k).filter(|p| !p.is_empty()));
+    let tls = match conf.get("protocol") {
+        Some("https") => true,
+        Some("http") => {
+            if let Some(k) = ["cacert", "cert", "key"]
+                .iter()
+                .zip(&files)
+                .find_map(|(k, f)| f.map(|_| *k))
+            {
+                return Err(usage(format!(
+                    "--rdzv-conf {k} is for TLS, but protocol=http: use protocol=https"
+                )));
+            }
+            if https_endpoint {
+                return Err(usage(
+                    "--rdzv-conf protocol=http, but --rdzv-endpoint names https:// endpoints",
+                ));
+            }
+            false
+        }
+        Some(p) => {
+            return Err(usage(format!(
+                "--rdzv-conf protocol={p}: use http or https"
+            )));
+        }
+        None => https_endpoint || files.iter().any(Option::is_some),
+    };
+    if tls {
+        if let Some(e) = endpoints.iter().find(|e| e.starts_with("http://")) {
+            return Err(usage(format!(
+                "--rdzv-endpoint {e} is plain http, but TLS is configured (protocol=https, \
+                 cacert, cert or key): use https:// or HOST:PORT"
+            )));
+        }
+        let [ca, cert, key] = files;
+        let Some(ca) = ca else {
+            return Err(usage(
+                "--rdzv-conf protocol=https needs cacert=PATH: the CA certificate that signed \
+                 etcd's server certificate (the system roots are not used)",
+            ));
+        };
+        if cert.is_some() != key.is_some() {
+            return Err(usage(
+                "--rdzv-conf cert=PATH and key=PATH (the client certificate and its private \
+                 key) go together",
+            ));
+        }
+        connect.tls = Some(elastic::etcd::Tls {
+            ca_pem: Some(read_pem("cacert", ca)?),
+            client_cert_pem: cert.map(|p| read_pem("cert", p)).transpose()?,
+            client_key_pem: key.map(|p| read_pem("key", p)).transpose()?,
+            domain: None,
+        });
+    }
+    connect.auth = etcd_auth_from_env(&env)?;
+    Ok(connect)
+}
+
+/// `e` from reaching etcd for `job`, with what it means in this node's settings when it is
+/// about TLS, the user and password, or the user's permissions. Names the endpoints and the
+/// user, never the password (etcd's own messages do not hold it either).
+pub fn explain_etcd_error(
+    e: elastic::Error,
+    connect: &elastic::etcd::Connect,
+    job: &str,
+) -> anyhow::Error {
+    let text = e.to_string();
+    let at = connect.endpoints.join(",");
+    let user = connect.auth.as_ref().map(|a| a.user.as_str());
+    let client_cert = connect
+        .tls
+        .as_ref()
+        .is_some_and(|t| t.client_cert_pem.is_some());
+    let hint = if text.contains("invalid peer certificate") {
+        Some(format!(
+            "TLS: the server certificate of etcd at {at} does not verify against --rdzv-conf \
+             cacert (it must be the CA that signed etcd's --cert-file, and name this host)"
+        ))
+    } else if text.contains("received fatal alert") && text.contains("Certificate") {
+        Some(if client_cert {
+            format!(
+                "TLS: etcd at {at} refused this node's client certificate (--rdzv-conf \
+                 cert/key): it must be signed by a CA etcd trusts (--trusted-ca-file)"
+            )
+        } else {
+            format!(
+                "TLS: etcd at {at} wants a client certificate: add --rdzv-conf \
+                 cert=PATH,key=PATH"
+            )
+        })
+    } else if text.contains("received fatal alert") || text.contains("tls handshake") {
+        Some(format!("TLS: the handshake with etcd at {at} failed"))
+    } else if text.contains("authentication failed") {
+        Some(format!(
+            "etcd at {at} refused user `{}`: wrong user name or password (from \
+             {ETCD_USERNAME_ENV}/{ETCD_PASSWORD_ENV} or {ETCDCTL_USER_ENV})",
+            user.unwrap_or("")
+        ))
+    } else if text.contains("user name is empty") {
+        Some(format!(
+            "etcd at {at} has authentication on: set {ETCD_USERNAME_ENV} and \
+             {ETCD_PASSWORD_ENV} (or {ETCDCTL_USER_ENV}=user:password)"
+        ))
+    } else if text.contains("permission denied") {
+        Some(format!(
+            "etcd at {at}: user `{}` may not use job {job}'s keys: its role needs readwrite \
+             on the prefix {} (etcdctl role grant-permission ROLE --prefix=true readwrite {})",
+            user.unwrap_or(""),
+            elastic::keys::Keys::new(job).prefix(),
+            elastic::keys::Keys::new(job).prefix()
+        ))
+    } else if connect.tls.is_none() && (text.contains("broken pipe") || text.contains("reset")) {
+        Some(format!(
+            "etcd at {at} closed the connection: if it serves TLS, set --rdzv-conf \
+             protocol=https,cacert=PATH"
+        ))
+    } else {
+        None
+    };
+    match hint {
+        Some(h) => anyhow::Error::new(e).context(h),
+        None => anyhow::Error::new(e),
+    }
+}
+
+/// Reads one PEM file named by `--rdzv-conf KEY=PATH`, bounded; its contents never appear in
+/// errors.
+fn read_pem(key: &str, path: &str) -> Result<Vec<u8>> {
+    let bad = |why: String| usage(format!("--rdzv-conf {key}={path}: {why}"));
+    let f = std::fs::File::open(path).map_err(|e| bad(format!("cannot open it: {e}")))?;
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(f, PEM_BYTES_MAX + 1), &mut bytes)
+        .map_err(|e| bad(format!("cannot read it: {e}")))?;
+    if bytes.len() as u64 > PEM_BYTES_MAX {
+        return Err(bad(format!("larger than {PEM_BYTES_MAX} bytes")));
+    }
+    if !bytes.windows(11).any(|w| w == b"-----BEGIN ") {
+        return Err(bad("not a PEM file (no -----BEGIN line)".into()));
+    }
+    Ok(bytes)
+}
+
+/// etcd's user and password from the environment (see [`etcd_connect`]).
+fn etcd_auth_from_env(
+    env: &impl Fn(&str) -> Option<String>,
+) -> Result<Option<elastic::etcd::Auth>> {
+    let nonempty = |k: &str| env(k).filter(|v| !v.is_empty());
+    match (nonempty(ETCD_USERNAME_ENV), env(ETCD_PASSWORD_ENV)) {
+        (Some(user), Some(password)) => {
+            return Ok(Some(elastic::etcd::Auth { user, password }));
+        }
+        (Some(_), None) => {
+            return Err(usage(format!(
+                "{ETCD_USERNAME_ENV} is set but {ETCD_PASSWORD_ENV} is not"
+            )));
+        }
+        (None, Some(_)) => {
+            return Err(usage(format!(
+                "{ETCD_PASSWORD_ENV} is set but {ETCD_USERNAME_ENV} is not"
+            )));
+        }
+        (None, None) => {}
+    }
+    let Some(v) = nonempty(ETCDCTL_USER_ENV) else {
+        return Ok(None);
+    };
+    let (user, password) = match v.split_once(':') {
+        Some((u, p)) => (u.to_string(), p.to_string()),
+        None => match env(ETCDCTL_PASSWORD_ENV) {
+            Some(p) => (v.clone(), p),
+            None => {
+                return Err(usage(format!(
+                    "{ETCDCTL_USER_ENV} names a user without a password: use user:password, \
+                     or set {ETCDCTL_PASSWORD_ENV}"
+                )));
+            }
+        },
+    };
+    if user.is_empty() {
+        return Err(usage(format!("{ETCDCTL_USER_ENV} has an empty user name")));
+    }
+    Ok(Some(elastic::etcd::Auth { user, password }))
+}
+
+#[cfg(test)]
+mod etcd_connect_tests {
+    use super::*;
+    use crate::cli::RdzvConf;
+
+    fn conf(pairs: &[(&str, &str)]) -> RdzvConf {
+        RdzvConf(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+
+    fn env_of(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
+        let vars: Vec<(String, String)> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    }
+
+    fn err(r: Result<elastic::etcd::Connect>) -> String {
+        let e = r.expect_err("should fail");
+        assert!(e.downcast_ref::<UsageError>().is_some(), "{e:#}");
+        format!("{e:#}")
+    }
+
+    #[test]
+    fn torchrun_tls_keys_read_the_pem_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let pem = |name: &str, body: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(
+                &p,
+                format!("-----BEGIN {body}-----\nAAAA\n-----END {body}-----\n"),
+            )
+            .unwrap();
+            p.display().to_string()
+        };
+        let (ca, cert, key) = (
+            pem("ca.pem", "CERTIFICATE"),
+            pem("c.pem", "CERTIFICATE"),
+            pem("c.key", "PRIVATE KEY"),
+        );
+        let none = env_of(&[]);
+        let full = [
+            ("protocol", "https"),
+            ("cacert", ca.as_str()),
+            ("cert", cert.as_str()),
+            ("key", key.as_str()),
+            ("request_timeout_ms", "1500"),
+        ];
+        let c = etcd_connect_from("h1:2379,h2:2379", &conf(&full), &none).unwrap();
+        assert_eq!(c.endpoints, ["h1:2379", "h2:2379"]);
+        assert_eq!(c.request_timeout_ms, 1500);
+        let tls = c.tls.as_ref().expect("tls");
+        assert!(
+            tls.ca_pem
+                .as_ref()
+                .unwrap()
+                .starts_with(b"-----BEGIN CERTIFICATE")
+        );
+        assert!(
+            tls.client_key_pem
+                .as_ref()
+                .unwrap()
+                .starts_with(b"-----BEGIN PRIVATE KEY")
+        );
+        assert!(c.auth.is_none());
+        assert!(!format!("{c:?}").contains("AAAA"), "{c:?}");
+        // The files alone, or an https:// endpoint, mean TLS too; plain http stays plain.
+        let c = etcd_connect_from("h:1", &conf(&[("cacert", ca.as_str())]), &none).unwrap();
+        assert!(c.tls.as_ref().unwrap().client_cert_pem.is_none());
+        let c = etcd_connect_from("https://h:1", &conf(&[("cacert", &ca)]), &none).unwrap();
+        assert!(c.tls.is_some());
+        let c = etcd_connect_from("h:1", &conf(&[("protocol", "http")]), &none).unwrap();
+        assert!(c.tls.is_none());
+
+        for (ep, pairs, needle) in [
+            ("h:1", &[("protocol", "https")][..], "needs cacert"),
+            (
+                "h:1",
+                &[("protocol", "http"), ("cacert", &ca)],
+                "protocol=http",
+            ),
+            ("https://h:1", &[("protocol", "http")], "https://"),
+            ("http://h:1", &[("cacert", ca.as_str())], "plain http"),
+            ("h:1", &[("protocol", "tls")], "protocol=tls"),
+            ("h:1", &[("cacert", &ca), ("cert", &cert)], "go together"),
+            (
+                "h:1",
+                &[("cacert", "/nonexistent/ca.pem")],
+                "cacert=/nonexistent/ca.pem",
+            ),
+            (
+                "h:1",
+                &[("cacert", &ca), ("key", "/dev/null"), ("cert", &cert)],
+                "not a PEM",
+            ),
+            ("ftp://h:1", &[], "--rdzv-endpoint ftp://h:1"),
+            (
+                "h:1",
+                &[("request_timeout_ms", "soon")],
+                "request_timeout_ms=soon",
+            ),
+        ] {
+            let msg = err(etcd_connect_from(ep, &conf(pairs), &none));
+            assert!(msg.contains(needle), "{pairs:?}: {msg}");
+        }
+    }
+
+    #[test]
+    fn user_and_password_come_from_the_environment_and_are_never_shown() {
+        let auth = |vars: &[(&str, &str)]| {
+            etcd_connect_from("h:1", &conf(&[]), env_of(vars)).map(|c| {
+                let shown = format!("{c:?}");
+                assert!(!shown.contains("pw-secret"), "{shown}");
+                c.auth.map(|a| (a.user, a.password))
+            })
+        };
+        let pair = |u: &str, p: &str| Some((u.to_string(), p.to_string()));
+        assert_eq!(auth(&[]).unwrap(), None);
+        assert_eq!(
+            auth(&[
+                (ETCD_USERNAME_ENV, "alice"),
+                (ETCD_PASSWORD_ENV, "pw-secret")
+            ])
+            .unwrap(),
+            pair("alice", "pw-secret")
+        );
+        assert_eq!(
+            auth(&[(ETCDCTL_USER_ENV, "bob:pw-secret:with-colon")]).unwrap(),
+            pair("bob", "pw-secret:with-colon")
+        );
+        assert_eq!(
+            auth(&[
+                (ETCDCTL_USER_ENV, "bob"),
+                (ETCDCTL_PASSWORD_ENV, "pw-secret")
+            ])
+            .unwrap(),
+            pair("bob", "pw-secret")
+        );
+        // elastic-run's own variables win over etcdctl's.
+        assert_eq!(
+            auth(&[
+                (ETCD_USERNAME_ENV, "alice"),
+                (ETCD_PASSWORD_ENV, "pw-secret"),
+                (ETCDCTL_USER_ENV, "bob:other"),
+            ])
+            .unwrap(),
+            pair("alice", "pw-secret")
+        );
+        for (vars, needle) in [
+            (&[(ETCD_USERNAME_ENV, "alice")][..], ETCD_PASSWORD_ENV),
+            (&[(ETCD_PASSWORD_ENV, "pw-secret")], ETCD_USERNAME_ENV),
+            (&[(ETCDCTL_USER_ENV, "bob")], ETCDCTL_PASSWORD_ENV),
+            (&[(ETCDCTL_USER_ENV, ":pw-secret")], "empty user name"),
+        ] {
+            let msg = err(etcd_connect_from("h:1", &conf(&[]), env_of(vars)));
+            assert!(msg.contains(needle), "{vars:?}: {msg}");
+            assert!(!msg.contains("pw-secret"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn rendezvous_conf_still_refuses_unknown_keys_by_name() {
+        let cli = |rdzv_conf: &str| {
+            Cli::try_parse_from([
+                "elastic-run",
+                "--rdzv-backend",
+                "etcd-v3",
+                "--rdzv-endpoint",
+                "h:2379",
+                "--nnodes",
+                "1:2",
+                "--rdzv-conf",
+                rdzv_conf,
+                "x.py",
+            ])
+            .unwrap()
+        };
+        use clap::Parser;
+        let c = cli("protocol=http,lease_ttl_ms=2000,request_timeout_ms=900");
+        let cfg = rendezvous_config(&c, "n", 1, &scaling_config(&c, 1)).unwrap();
+        assert_eq!(cfg.connect.request_timeout_ms, 900);
+        assert_eq!(cfg.lease_ttl_ms, 2000);
+        assert!(cfg.connect.tls.is_none());
+        let c = cli("protocol=http,certfile=/x");
+        let e = rendezvous_config(&c, "n", 1, &scaling_config(&c, 1)).unwrap_err();
+        assert!(e.downcast_ref::<UsageError>().is_some());
+        let msg = e.to_string();
+        assert!(
+            msg.contains("unknown key `certfile`") && msg.contains("cacert"),
+            "{msg}"
+        );
+    }
 }
 
 /// Everything a worker group needs that stays the same for the agent's life.
@@ -266,6 +759,8 @@ struct Node {
     events: Arc<Events>,
     grace: Duration,
     max_restarts: u32,
+    /// Whether staging's size was held against the first complete checkpoint yet.
+    staging_checked: std::sync::atomic::AtomicBool,
 }
 
 /// The job's membership as this node follows it.
@@ -292,13 +787,16 @@ struct EtcdMember {
 
 impl EtcdMember {
     async fn join(cfg: RendezvousConfig, events: &Events) -> Result<Self> {
-        let handle = Rendezvous::join(cfg.clone()).await.with_context(|| {
-            format!(
-                "join job {} at {}",
-                cfg.job_id,
-                cfg.connect.endpoints.join(",")
-            )
-        })?;
+        let handle = Rendezvous::join(cfg.clone())
+            .await
+            .map_err(|e| explain_etcd_error(e, &cfg.connect, &cfg.job_id))
+            .with_context(|| {
+                format!(
+                    "join job {} at {}",
+                    cfg.job_id,
+                    cfg.connect.endpoints.join(",")
+                )
+            })?;
         tracing::info!(addr = %cfg.addr, lease = handle.lease_id(), "joined the job");
         events.emit("joined", json!({"addr": cfg.addr}));
         let snap = handle.subscribe();
@@ -532,6 +1030,9 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
         .checkpoint_url
         .resolved()
         .context("resolve --checkpoint-url")?;
+    let store_config = cli.store_options();
+    crate::cli::check_store_options(&url, &store_config)
+        .map_err(|e| usage(format!("--checkpoint-store-option: {e}")))?;
     let events = Arc::new(
         Events::open(cli.events_file.as_deref(), &node_id)
             .with_context(|| format!("open --events-file {:?}", cli.events_file))?,
@@ -543,6 +1044,9 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
     let staging = staging_guard.path.clone();
     let sink_opts = SinkOptions {
         compression: cli.checkpoint_compress,
+        store_config,
+        keep_steps: cli.checkpoint_keep_last,
+        keep_every: cli.checkpoint_keep_every,
         ..SinkOptions::default()
     };
     let sink = StoreSink::open(&url, staging.join(RESTORE_DIR), sink_opts)
@@ -600,13 +1104,12 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
         }
         None => None,
     };
-    let (notice_tx, mut notices) = mpsc::channel::<String>(1);
+    let (notice_tx, mut notices) = mpsc::channel::<notice::Notice>(1);
     let _poller = cli.preemption_notice.clone().map(|n| {
-        tokio::spawn(notice::poll(
-            n,
-            cli.monitor_interval.max(Duration::from_secs(1)),
-            notice_tx,
-        ))
+        let mut cfg = notice::Config::new(n, cli.monitor_interval.max(Duration::from_secs(1)));
+        cfg.rebalance = cli.rebalance_action;
+        cfg.azure_vm_name = cli.azure_vm_name.clone();
+        tokio::spawn(notice::poll(cfg, state.clone(), notice_tx))
     });
 
     let node = Node {
@@ -621,6 +1124,7 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
         events: events.clone(),
         grace: cli.preemption_grace,
         max_restarts: cli.max_restarts,
+        staging_checked: std::sync::atomic::AtomicBool::new(false),
     };
 
     let cancel_all = CancellationToken::new();
@@ -676,6 +1180,8 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
     let mut committer = Committer::start(&node, bucket_latest);
     let mut tracker = StepTracker::new(0..0);
     let mut drain: Option<Drain> = None;
+    // An Azure event to approve once this node's drain is done.
+    let mut approval: Option<notice::Approval> = None;
     let mut restarts: u32 = 0;
     let mut last_step_reached: Option<u64> = None;
     // Time-based checkpoints: ask for the step after the newest one reported.
@@ -712,13 +1218,49 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
         if let Some(step) = resume_step {
             let ranks = view.rank_offset..view.rank_offset + nproc;
             let t0 = Instant::now();
-            let point = tokio::select! {
-                r = node.sink.restore(step, ranks, view.world_size, &cancel_all) => {
-                    r.with_context(|| format!("restore step {step} from {}", node.sink.url()))?
-                }
-                Some(sig) = signals.recv() => {
-                    tracing::warn!(signal = sig, "signal while restoring; leaving");
-                    break 'job leave(&mut membership).await;
+            // A failure that says nothing about the step (a full staging disk, the store
+            // briefly away) is retried with a bounded backoff; one that does was already
+            // answered inside by falling back to an older step.
+            let mut attempt = 1u32;
+            let mut backoff_ms = RESTORE_BACKOFF_INITIAL_MS;
+            let point = loop {
+                let r = tokio::select! {
+                    r = node.sink.restore_or_older(step, ranks.clone(), view.world_size, &cancel_all) => r,
+                    Some(sig) = signals.recv() => {
+                        tracing::warn!(signal = sig, "signal while restoring; leaving");
+                        break 'job leave(&mut membership).await;
+                    }
+                };
+                match r {
+                    Ok((point, skipped)) => {
+                        if !skipped.is_empty() {
+                            node.events.emit(
+                                "restore_fell_back",
+                                json!({"generation": view.generation, "skipped": skipped, "step": point.step}),
+                            );
+                        }
+                        break point;
+                    }
+                    Err(e) if restore_is_retryable(&e) && attempt < RESTORE_ATTEMPTS_MAX => {
+                        tracing::warn!(step, attempt, backoff_ms, error = %e, "restore failed; retrying");
+                        tokio::select! {
+                            () = tokio::time::sleep(Duration::from_millis(backoff_ms)) => {}
+                            Some(sig) = signals.recv() => {
+                                tracing::warn!(signal = sig, "signal while restoring; leaving");
+                                break 'job leave(&mut membership).await;
+                            }
+                        }
+                        attempt += 1;
+                        backoff_ms = (backoff_ms * 2).min(RESTORE_BACKOFF_MAX_MS);
+                    }
+                    Err(e) => {
+                        return Err(e).with_context(|| {
+                            format!(
+                                "restore step {step} from {} ({attempt} attempts)",
+                                node.sink.url()
+                            )
+                        });
+                    }
                 }
             };
             tracing::info!(step, dir = %point.dir.display(), ms = t0.elapsed().as_millis() as u64, "restored");
@@ -775,13 +1317,24 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
                         let _ = cmd_tx.send(Command::Signal(sig)).await;
                     }
                 }
-                Some(why) = notices.recv() => {
-                    if drain.is_none_or(|d| !d.local) {
-                        tracing::warn!(notice = %why, "preemption notice; draining");
-                        node.events.emit("drain_started", json!({"reason": "notice"}));
-                        drain = Some(start_drain(&node, &membership, &cmd_tx, true).await);
+                Some(n) = notices.recv() => match n {
+                    notice::Notice::Preempt { why, approval: a } => {
+                        approval = a.or(approval.take());
+                        if drain.is_none_or(|d| !d.local) {
+                            tracing::warn!(notice = %why, "preemption notice; draining");
+                            node.events.emit("drain_started", json!({"reason": "notice"}));
+                            drain = Some(start_drain(&node, &membership, &cmd_tx, true).await);
+                        }
                     }
-                }
+                    notice::Notice::Rebalance { why } => match state.last_step() {
+                        // As the checkpoint timer does: the step after the newest one reported.
+                        Some(step) if drain.is_none() => {
+                            tracing::warn!(notice = %why, at_step = step + 1, "rebalance recommendation; checkpointing now");
+                            state.request_checkpoint_at(step + 1);
+                        }
+                        _ => tracing::warn!(notice = %why, "rebalance recommendation; no checkpoint asked (no step reported yet, or draining)"),
+                    },
+                },
                 // Handing over never blocks this loop (signals must stay responsive): a step
                 // that finds the commit queue full is held until room frees up, and no more
                 // parts are taken meanwhile, so they wait in their channel and, once that is
@@ -899,6 +1452,10 @@ async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: Str
             }
             let step = committer.latest();
             let _ = leave(&mut membership).await;
+            // Committed (or out of grace) and gone from the job: the machine may go now.
+            if let Some(a) = approval.take() {
+                notice::approve(&a, &state.metrics).await;
+            }
             if clean && flushed {
                 tracing::info!(step, "drained: workers saved and exited");
                 break 'job 0;
@@ -1076,7 +1633,7 @@ async fn wait_generation(
     node: &Node,
     m: &mut EtcdMember,
     signals: &mut mpsc::Receiver<i32>,
-    notices: &mut mpsc::Receiver<String>,
+    notices: &mut mpsc::Receiver<notice::Notice>,
     committer: &Committer,
 ) -> Result<Next> {
     loop {
@@ -1093,10 +1650,18 @@ async fn wait_generation(
                 node.events.emit("drain_started", json!({"reason": "signal"}));
                 return Ok(Next::Exit(leave_etcd(m).await));
             }
-            Some(why) = notices.recv() => {
+            Some(n) = notices.recv() => {
+                let notice::Notice::Preempt { why, approval } = n else {
+                    // A rebalance recommendation: nothing runs, so nothing to checkpoint.
+                    continue;
+                };
                 tracing::warn!(notice = %why, "preemption notice while no workers run; leaving");
                 node.events.emit("drain_started", json!({"reason": "notice"}));
-                return Ok(Next::Exit(leave_etcd(m).await));
+                let code = leave_etcd(m).await;
+                if let Some(a) = approval {
+                    notice::approve(&a, &node.state.metrics).await;
+                }
+                return Ok(Next::Exit(code));
             }
             Ok(()) = committed.changed() => {
                 if let Some(step) = *committed.borrow() {
@@ -1343,9 +1908,19 @@ fn tracker_complete(
 ) -> Option<StepToCommit> {
     let world = r.world_size;
     let generation = r.generation;
+    if let Some(why) = r.skipped {
+        give_up_step(node, generation, r.part.rank, r.part.step, why);
+        return None;
+    }
     let parts = tracker.record_received(r.epoch, r.ranks, r.part)?;
     let step = parts[0].step;
     tracing::info!(step, ranks = parts.len(), "step staged by every local rank");
+    if !node
+        .staging_checked
+        .swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        check_staging_room(node, step, &parts);
+    }
     let s = &view.scaling;
     let agent_metadata = json!({
         "generation": generation,
@@ -1367,6 +1942,84 @@ fn tracker_complete(
         parts,
         agent_metadata,
     })
+}
+
+/// Says so, with the sizes, when the staging file system cannot hold
+/// [`STAGED_CHECKPOINTS_MAX`] checkpoints the size of this first one (Docker's default
+/// `/dev/shm` is 64 MiB): checkpoints are then skipped whenever it fills.
+fn check_staging_room(node: &Node, step: u64, parts: &[crate::agent_socket::StagedPart]) {
+    let bytes: u64 = parts
+        .iter()
+        .flat_map(|p| std::fs::read_dir(&p.dir).into_iter().flatten().flatten())
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .sum();
+    let Some(fs_bytes) = fs_size_bytes(&node.spec.staging_dir) else {
+        return;
+    };
+    let needed = bytes.saturating_mul(STAGED_CHECKPOINTS_MAX);
+    if needed > fs_bytes {
+        tracing::warn!(
+            step,
+            checkpoint_bytes = bytes,
+            staging_bytes = fs_bytes,
+            needed_bytes = needed,
+            staging = %node.spec.staging_dir.display(),
+            "the staging file system holds fewer than {STAGED_CHECKPOINTS_MAX} checkpoints of this node \
+             ({bytes} bytes each, {fs_bytes} in all): when it fills, workers skip their snapshot \
+             and that checkpoint is given up; give --staging-dir a larger file system \
+             (or docker --shm-size) to keep every checkpoint"
+        );
+        node.events.emit(
+            "staging_too_small",
+            json!({"step": step, "checkpoint_bytes": bytes, "staging_bytes": fs_bytes, "needed_bytes": needed}),
+        );
+    }
+}
+
+/// The size of the file system holding `dir`.
+fn fs_size_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: an all-zero statvfs is a valid value for statvfs to fill.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid NUL-terminated path and a writable buffer.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some((st.f_blocks as u64).saturating_mul(st.f_frsize as u64))
+}
+
+/// A local rank could not stage its part of `step` (a full staging disk): the step can never
+/// commit, so say so in the store, where every node's committer sees it at its next try and
+/// stops waiting for the part instead of holding the commit queue until its deadline.
+fn give_up_step(node: &Node, generation: u64, rank: u32, step: u64, why: String) {
+    tracing::warn!(step, rank, reason = %why, "a worker skipped its snapshot; giving the checkpoint up");
+    node.state
+        .metrics
+        .checkpoint_failures_total
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    node.events.emit(
+        "checkpoint_skipped",
+        json!({"step": step, "generation": generation, "rank": rank, "reason": why}),
+    );
+    let store = node.sink.store().clone();
+    let writer = crate::store_sink::writer_id(generation, rank);
+    tokio::spawn(
+        async move {
+            let cancel = CancellationToken::new();
+            let deadline = Duration::from_millis(GIVE_UP_DEADLINE_MS);
+            match tokio::time::timeout(deadline, store.abandon_part(step, &writer, &why, &cancel))
+                .await
+            {
+                Ok(Ok(())) => tracing::info!(step, %writer, "checkpoint given up in the store"),
+                Ok(Err(e)) => tracing::warn!(step, %writer, error = %e, "could not mark the checkpoint as given up (peers wait for its part until their commit deadline)"),
+                Err(_) => tracing::warn!(step, %writer, "marking the checkpoint as given up timed out"),
+            }
+        }
+        .in_current_span(),
+    );
 }
 
 /// Commits complete steps in order; returns whether every commit succeeded.
@@ -1415,16 +2068,28 @@ async fn commit_loop(
                     .metrics
                     .checkpoint_failures_total
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tracing::error!(step, error = %e, "checkpoint commit failed");
+                match &e {
+                    crate::store_sink::SinkError::Commit { source, .. }
+                        if matches!(**source, checkpoint::Error::Abandoned { .. }) =>
+                    {
+                        tracing::warn!(step, error = %e, "checkpoint given up: a rank could not stage it");
+                    }
+                    crate::store_sink::SinkError::Commit { source, .. }
+                        if matches!(**source, checkpoint::Error::Rejected { .. }) =>
+                    {
+                        tracing::error!(step, error = %e, "checkpoint commit failed");
+                        // Retrying cannot help: tell the workers at their next save.
+                        state.refuse_next_save(format!("checkpoint not committed: {source}"));
+                    }
+                    _ => tracing::error!(step, error = %e, "checkpoint commit failed"),
+                }
             }
             None => tracing::warn!(step, "checkpoint commit cancelled"),
         }
         // The staged copy is no longer needed either way: committed, or given up.
-        if let Some(p) = staged.first().and_then(|p| p.dir.parent())
-            && p.starts_with(&staging)
-            && p != staging
-        {
-            let _ = std::fs::remove_dir_all(p);
+        // Only a real directory inside staging: never one reached through a symlink.
+        if let Some(p) = staged.first().and_then(|p| p.dir.parent()) {
+            remove_inside_staging(&staging, p);
         }
         pending.send_modify(|n| *n = n.saturating_sub(1));
     }
@@ -1440,7 +2105,8 @@ fn remove_staged(staging: &Path) {
     for e in entries.flatten() {
         let name = e.file_name();
         if name.to_str().is_some_and(|n| n.starts_with("step-")) {
-            let _ = std::fs::remove_dir_all(e.path());
+            // A symlink named `step-N`, or another user's dir, is not the agent's to remove.
+            remove_own_dir_all(&e.path());
         }
     }
 }
@@ -1543,51 +2209,200 @@ fn free_port() -> std::io::Result<u16> {
 
 /// The staging directory: `--staging-dir`, else `/dev/shm/elastic-run/<run>/<node>` (the
 /// temp dir when there is no /dev/shm). Canonical, since `saved` directories are checked
-/// against it. A default one is removed when the agent exits: what is left in it was never
-/// committed, and /dev/shm is memory.
+/// against it. /dev/shm is world-writable, so every directory the agent makes there is
+/// made without following symlinks, mode 0700, and checked to be a real directory of this
+/// user; a symlink or another user's directory on the way is refused. On exit the agent
+/// removes only the directories it created: what is left in its node dir was never
+/// committed, and /dev/shm is memory. A `--staging-dir` is never removed.
 struct Staging {
     path: PathBuf,
-    owned: bool,
+    /// The directories this agent created, outermost first.
+    created: Vec<PathBuf>,
 }
 
 impl Staging {
     fn prepare(dir: Option<&Path>, run_id: &str, node_id: &str) -> Result<Self> {
-        let (dir, owned) = match dir {
-            Some(d) => (d.to_path_buf(), false),
-            None => {
-                let root = Path::new(crate::cli::STAGING_ROOT_DEFAULT);
-                let base = if Path::new("/dev/shm").is_dir() {
-                    root.to_path_buf()
-                } else {
-                    std::env::temp_dir().join("elastic-run")
-                };
-                (base.join(sanitize(run_id)).join(sanitize(node_id)), true)
-            }
+        if let Some(d) = dir {
+            return Self::given(d);
+        }
+        let root = Path::new(crate::cli::STAGING_ROOT_DEFAULT);
+        let top = root.file_name().unwrap_or("elastic-run".as_ref());
+        let base = match root.parent() {
+            Some(shm) if shm.is_dir() => shm.to_path_buf(),
+            _ => std::env::temp_dir(),
         };
-        std::fs::create_dir_all(&dir)
-            .with_context(|| format!("create staging dir {}", dir.display()))?;
-        let path = std::fs::canonicalize(&dir)
-            .with_context(|| format!("staging dir {}", dir.display()))?;
-        Ok(Staging { path, owned })
+        let name = |s: &str| match sanitize(s) {
+            s if s.is_empty() => "_".to_string(),
+            s => s,
+        };
+        Self::under(&base, [top, name(run_id).as_ref(), name(node_id).as_ref()])
+    }
+
+    /// A user-given `--staging-dir`: created 0700 when absent; refused when it is a symlink
+    /// or another user's. Symlinks above it are the user's own choice and are resolved.
+    fn given(d: &Path) -> Result<Self> {
+        use std::os::unix::fs::DirBuilderExt;
+        match std::fs::symlink_metadata(d) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(d)
+                .with_context(|| format!("create staging dir {}", d.display()))?,
+            Err(e) => {
+                return Err(e).with_context(|| format!("staging dir {}", d.display()));
+            }
+            Ok(_) => {}
+        }
+        check_own_dir(d)?;
+        let path =
+            std::fs::canonicalize(d).with_context(|| format!("staging dir {}", d.display()))?;
+        Ok(Staging {
+            path,
+            created: Vec::new(),
+        })
+    }
+
+    /// `base/a/b/c`, each part made (0700) or found as a real directory of this user.
+    /// `base` is the system's (/dev/shm or the temp dir) and is taken as it resolves.
+    fn under(base: &Path, parts: [&std::ffi::OsStr; 3]) -> Result<Self> {
+        let base = std::fs::canonicalize(base)
+            .with_context(|| format!("staging base {}", base.display()))?;
+        // Built as it goes, so that an error drops (and removes) what was made so far.
+        let mut s = Staging {
+            path: PathBuf::new(),
+            created: Vec::new(),
+        };
+        let mut attempt = 0;
+        'again: loop {
+            attempt += 1;
+            let mut dir = base.clone();
+            for part in parts {
+                dir.push(part);
+                match make_own_dir(&dir) {
+                    Ok(true) => s.created.push(dir.clone()),
+                    Ok(false) => {}
+                    // Another agent removed a parent it had made, between our steps.
+                    Err(e)
+                        if attempt < 5
+                            && e.downcast_ref::<std::io::Error>()
+                                .is_some_and(|e| e.kind() == std::io::ErrorKind::NotFound) =>
+                    {
+                        continue 'again;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            s.path = dir;
+            return Ok(s);
+        }
     }
 }
 
 impl Drop for Staging {
     fn drop(&mut self) {
-        if self.owned {
-            let _ = std::fs::remove_dir_all(&self.path);
-            // The per-run and root dirs above it go too once empty (remove_dir refuses
-            // non-empty ones, so other agents' dirs are safe).
-            let mut dir = self.path.parent();
-            for _ in 0..2 {
-                let Some(d) = dir else { break };
-                if std::fs::remove_dir(d).is_err() {
-                    break;
-                }
-                dir = d.parent();
+        // Innermost first; the node dir goes with its contents, the shared ones above it
+        // only once empty (remove_dir refuses non-empty ones, so other agents' dirs are safe).
+        for d in self.created.iter().rev() {
+            if *d == self.path {
+                remove_own_dir_all(d);
+            } else if std::fs::remove_dir(d).is_err() {
+                break;
             }
         }
     }
+}
+
+/// Makes `dir` (mode 0700; its parent must already be checked), or finds it; either way it
+/// must then be a real directory of this user. Returns whether it was made here. mkdir does
+/// not follow a symlink in the last component, so a planted one is found, not followed.
+fn make_own_dir(dir: &Path) -> Result<bool> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let made = match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => false,
+        Err(e) => {
+            return Err(
+                anyhow::Error::new(e).context(format!("create staging dir {}", dir.display()))
+            );
+        }
+    };
+    check_own_dir(dir)?;
+    if !made {
+        // Ours already (an earlier agent of this user): keep it private.
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("chmod staging dir {}", dir.display()))?;
+    }
+    Ok(made)
+}
+
+/// `dir` must be a real directory (not a symlink) owned by this process's effective user.
+fn check_own_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let m =
+        std::fs::symlink_metadata(dir).with_context(|| format!("staging dir {}", dir.display()))?;
+    if m.file_type().is_symlink() {
+        let to = std::fs::read_link(dir)
+            .map(|t| format!(" (to {})", t.display()))
+            .unwrap_or_default();
+        bail!(
+            "staging dir {} is a symlink{to}: refusing to follow it (another user may have planted it)",
+            dir.display()
+        );
+    }
+    if !m.is_dir() {
+        bail!("staging dir {} is not a directory", dir.display());
+    }
+    let me = euid();
+    if m.uid() != me {
+        bail!(
+            "staging dir {} is owned by uid {}, not by this user (uid {me}): refusing to use it",
+            dir.display(),
+            m.uid()
+        );
+    }
+    Ok(())
+}
+
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Whether `p` is a real directory of this user (not a symlink to one).
+fn is_own_real_dir(p: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir() && m.uid() == euid())
+}
+
+/// `remove_dir_all`, only when `p` itself is a real directory of this user (std's
+/// remove_dir_all does not follow symlinks below it).
+fn remove_own_dir_all(p: &Path) {
+    if is_own_real_dir(p) {
+        let _ = std::fs::remove_dir_all(p);
+    }
+}
+
+/// Removes `p`, a directory strictly inside `staging`, when every component from `staging`
+/// down to it is a real directory of this user: nothing reached through a symlink goes.
+fn remove_inside_staging(staging: &Path, p: &Path) {
+    let Ok(rest) = p.strip_prefix(staging) else {
+        return;
+    };
+    if rest.as_os_str().is_empty()
+        || rest
+            .components()
+            .any(|c| !matches!(c, std::path::Component::Normal(_)))
+    {
+        return;
+    }
+    let mut d = staging.to_path_buf();
+    for c in rest.components() {
+        d.push(c);
+        if !is_own_real_dir(&d) {
+            return;
+        }
+    }
+    let _ = std::fs::remove_dir_all(p);
 }
 
 fn sanitize(s: &str) -> String {
@@ -1635,7 +2450,12 @@ impl RunDir {
     /// Removes run dirs of agents that are gone (a SIGKILLed agent cannot clean up after
     /// itself). Dirs of live PIDs are kept, so a reused PID errs on the side of keeping.
     fn remove_stale() {
-        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        Self::remove_stale_in(&std::env::temp_dir());
+    }
+
+    /// The temp dir is shared: only real directories (not symlinks) of this user go.
+    fn remove_stale_in(tmp: &Path) {
+        let Ok(entries) = std::fs::read_dir(tmp) else {
             return;
         };
         for e in entries.flatten().take(10_000) {
@@ -1648,9 +2468,12 @@ impl RunDir {
             else {
                 continue;
             };
-            if !Path::new(&format!("/proc/{pid}")).exists() && e.path().join("agent.sock").exists()
+            let dir = e.path();
+            if !Path::new(&format!("/proc/{pid}")).exists()
+                && is_own_real_dir(&dir)
+                && dir.join("agent.sock").exists()
             {
-                let _ = std::fs::remove_dir_all(e.path());
+                remove_own_dir_all(&dir);
             }
         }
     }
@@ -1666,6 +2489,38 @@ impl Drop for RunDir {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn a_full_disk_or_an_unreachable_store_is_retried_but_bad_data_and_cancels_are_not() {
+        use crate::store_sink::SinkError as E;
+        let full = E::Io {
+            op: "write",
+            path: "/dev/shm/x".into(),
+            source: std::io::Error::from(std::io::ErrorKind::StorageFull),
+        };
+        assert!(restore_is_retryable(&full));
+        let restore = |source| E::Restore {
+            step: 7,
+            rank: 0,
+            world: 2,
+            url: "file:///b".into(),
+            source: Box::new(source),
+        };
+        let enospc = checkpoint::Error::Io {
+            path: "/dev/shm/x".into(),
+            source: std::io::Error::from(std::io::ErrorKind::StorageFull),
+        };
+        assert!(restore_is_retryable(&restore(enospc)));
+        let corrupt = checkpoint::Error::Corrupt {
+            store: "file:///b".into(),
+            step: 7,
+            key: "k".into(),
+            reason: "crc32c".into(),
+        };
+        assert!(!restore_is_retryable(&restore(corrupt)));
+        assert!(!restore_is_retryable(&E::Cancelled { op: "x".into() }));
+        assert!(!restore_is_retryable(&E::InvalidInput("x".into())));
+    }
 
     fn cli(args: &[&str]) -> Cli {
         Cli::try_parse_from(std::iter::once("elastic-run").chain(args.iter().copied())).unwrap()
@@ -1729,5 +2584,173 @@ mod tests {
     fn node_ids_become_safe_path_parts() {
         assert_eq!(sanitize("../a/b c"), "_a_b_c");
         assert_eq!(sanitize("node-1.x"), "node-1.x");
+    }
+
+    fn mode(p: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    fn parts<'a>(a: &'a str, b: &'a str, c: &'a str) -> [&'a std::ffi::OsStr; 3] {
+        [a.as_ref(), b.as_ref(), c.as_ref()]
+    }
+
+    /// A directory holding a sentinel file, standing for one that is not the agent's.
+    fn victim(root: &Path) -> PathBuf {
+        let v = root.join("victim");
+        std::fs::create_dir(&v).unwrap();
+        std::fs::write(v.join("sentinel"), "keep me").unwrap();
+        v
+    }
+
+    fn other_user_dir(p: &Path) {
+        std::fs::create_dir_all(p).unwrap();
+        std::os::unix::fs::chown(p, Some(65534), Some(65534)).unwrap();
+    }
+
+    #[test]
+    fn default_staging_dirs_are_made_private_and_removed_on_drop() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = Staging::under(tmp.path(), parts("elastic-run", "job", "n0")).unwrap();
+        let root = std::fs::canonicalize(tmp.path()).unwrap();
+        assert_eq!(s.path, root.join("elastic-run/job/n0"));
+        for d in ["elastic-run", "elastic-run/job", "elastic-run/job/n0"] {
+            assert_eq!(mode(&root.join(d)), 0o700, "{d}");
+        }
+        std::fs::create_dir_all(s.path.join("step-3/rank-0")).unwrap();
+        drop(s);
+        assert!(!root.join("elastic-run").exists());
+    }
+
+    #[test]
+    fn a_symlink_planted_in_default_staging_is_refused_and_its_target_kept() {
+        let tmp = tempfile::tempdir().unwrap();
+        let v = victim(tmp.path());
+        // At the node dir: the issue as found.
+        std::fs::create_dir_all(tmp.path().join("elastic-run/job")).unwrap();
+        let node = tmp.path().join("elastic-run/job/n0");
+        std::os::unix::fs::symlink(&v, &node).unwrap();
+        let r = Staging::under(tmp.path(), parts("elastic-run", "job", "n0"));
+        let e = format!("{:#}", r.as_ref().map(|_| ()).unwrap_err());
+        drop(r);
+        assert!(
+            e.contains("symlink") && e.contains("elastic-run/job/n0"),
+            "{e}"
+        );
+        assert!(v.join("sentinel").exists());
+        assert!(std::fs::symlink_metadata(&node).unwrap().is_symlink());
+        // At the shared root: refused too, and nothing is made through it.
+        let tmp2 = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(&v, tmp2.path().join("elastic-run")).unwrap();
+        let r = Staging::under(tmp2.path(), parts("elastic-run", "job", "n0"));
+        let e = format!("{:#}", r.as_ref().map(|_| ()).unwrap_err());
+        drop(r);
+        assert!(e.contains("symlink") && e.contains("elastic-run"), "{e}");
+        let left: Vec<_> = std::fs::read_dir(&v).unwrap().collect();
+        assert_eq!(left.len(), 1, "only the sentinel");
+    }
+
+    #[test]
+    fn a_default_staging_parent_of_another_user_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        other_user_dir(&tmp.path().join("elastic-run"));
+        let e = Staging::under(tmp.path(), parts("elastic-run", "job", "n0"))
+            .map(|_| ())
+            .unwrap_err();
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("elastic-run") && e.contains("owned by uid 65534"),
+            "{e}"
+        );
+        assert!(!tmp.path().join("elastic-run/job").exists());
+    }
+
+    #[test]
+    fn staging_dirs_the_agent_did_not_create_are_kept_on_drop() {
+        let tmp = tempfile::tempdir().unwrap();
+        let node = tmp.path().join("elastic-run/job/n0");
+        std::fs::create_dir_all(&node).unwrap();
+        std::fs::write(node.join("mine"), "x").unwrap();
+        let s = Staging::under(tmp.path(), parts("elastic-run", "job", "n0")).unwrap();
+        // Found, not made: ours, so kept private.
+        assert_eq!(mode(&node), 0o700);
+        drop(s);
+        assert!(node.join("mine").exists());
+        // Only the node dir made here goes; the parents found here stay.
+        let s = Staging::under(tmp.path(), parts("elastic-run", "job", "n1")).unwrap();
+        drop(s);
+        assert!(!tmp.path().join("elastic-run/job/n1").exists());
+        assert!(node.join("mine").exists());
+    }
+
+    #[test]
+    fn a_given_staging_dir_must_be_a_real_dir_of_this_user() {
+        let tmp = tempfile::tempdir().unwrap();
+        let v = victim(tmp.path());
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&v, &link).unwrap();
+        let e = format!("{:#}", Staging::given(&link).map(|_| ()).unwrap_err());
+        assert!(e.contains("symlink") && e.contains("link"), "{e}");
+        let theirs = tmp.path().join("theirs");
+        other_user_dir(&theirs);
+        let e = format!("{:#}", Staging::given(&theirs).map(|_| ()).unwrap_err());
+        assert!(e.contains("owned by uid 65534"), "{e}");
+        let fresh = tmp.path().join("a/fresh");
+        let s = Staging::given(&fresh).unwrap();
+        assert_eq!(mode(&fresh), 0o700);
+        drop(s);
+        assert!(fresh.is_dir(), "a --staging-dir is never removed");
+        assert!(v.join("sentinel").exists());
+    }
+
+    #[test]
+    fn staged_copies_are_removed_only_as_real_dirs_of_this_user() {
+        let tmp = tempfile::tempdir().unwrap();
+        let staging = tmp.path().join("staging");
+        std::fs::create_dir(&staging).unwrap();
+        let v = victim(tmp.path());
+        std::fs::create_dir(v.join("step-9")).unwrap();
+        std::os::unix::fs::symlink(&v, staging.join("step-8")).unwrap();
+        std::os::unix::fs::symlink(&v, staging.join("via")).unwrap();
+        std::fs::create_dir_all(staging.join("step-7/rank-0")).unwrap();
+        other_user_dir(&staging.join("step-7"));
+        std::fs::create_dir_all(staging.join("step-6/rank-0")).unwrap();
+        // The committer's removal of a step dir: not through a symlink, not a symlink.
+        remove_inside_staging(&staging, &staging.join("via/step-9"));
+        assert!(v.join("step-9").is_dir());
+        remove_inside_staging(&staging, &staging.join("step-8"));
+        remove_inside_staging(&staging, &staging);
+        remove_inside_staging(&staging, &staging.join("../staging/step-6"));
+        assert!(staging.join("step-6").is_dir());
+        assert!(std::fs::symlink_metadata(staging.join("step-8")).is_ok());
+        remove_inside_staging(&staging, &staging.join("step-6"));
+        assert!(!staging.join("step-6").exists());
+        // Between groups.
+        remove_staged(&staging);
+        assert!(std::fs::symlink_metadata(staging.join("step-8")).is_ok());
+        assert!(staging.join("step-7/rank-0").is_dir());
+        assert!(v.join("sentinel").exists() && v.join("step-9").is_dir());
+    }
+
+    #[test]
+    fn stale_run_dirs_of_other_users_and_symlinks_are_kept() {
+        let tmp = tempfile::tempdir().unwrap();
+        // PIDs above the kernel's maximum (2^22): never alive.
+        let stale = |n: &str| tmp.path().join(format!("{}{n}", RunDir::PREFIX));
+        let with_sock = |d: &Path| {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("agent.sock"), "").unwrap();
+        };
+        with_sock(&stale("999999991-a"));
+        with_sock(&stale("999999992-b"));
+        std::os::unix::fs::chown(stale("999999992-b"), Some(65534), Some(65534)).unwrap();
+        let v = victim(tmp.path());
+        std::fs::write(v.join("agent.sock"), "").unwrap();
+        std::os::unix::fs::symlink(&v, stale("999999993-c")).unwrap();
+        RunDir::remove_stale_in(tmp.path());
+        assert!(!stale("999999991-a").exists(), "this user's stale dir goes");
+        assert!(stale("999999992-b").join("agent.sock").exists());
+        assert!(std::fs::symlink_metadata(stale("999999993-c")).is_ok());
+        assert!(v.join("sentinel").exists());
     }
 }

@@ -14,6 +14,7 @@
 //! | `{"type":"progress","rank":R,"step":S}` | rank R finished step S (feeds the hang watchdog and metrics) | `ok` |
 //! | `{"type":"saved","rank":R,"step":S,"dir":"D"}` | rank R finished writing its snapshot of step S into D, a directory under `$ELASTIC_STAGING_DIR` | `ok` once the agent took it over (held back while four earlier checkpoints are uncommitted), else `error` |
 //! | `{"type":"query"}` | what should the workers do? | `state` |
+//! | `{"type":"skipped","rank":R,"step":S,"reason":"..."}` | rank R could not write its snapshot of step S (its staging file system is full): the agent gives the step up in the store, so no node waits for the part | `ok` |
 //! | `{"type":"peer_stop","rank":R,"step":S}` | the workers agreed to stop at step S because another node's agent asked, not this one (its clean exit is then no end of the job) | `ok` |
 //!
 //! Replies (agent → worker):
@@ -63,6 +64,12 @@ pub enum Request {
         dir: String,
     },
     Query {},
+    /// Rank `rank` could not write its snapshot of `step` (its staging disk is full).
+    Skipped {
+        rank: u32,
+        step: u64,
+        reason: String,
+    },
     /// The workers agreed to stop at `step` because another node's agent asked (a peer's
     /// drain), not this one: their clean exit does not mean the job is done.
     PeerStop {
@@ -98,6 +105,8 @@ pub struct StagedPart {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Received {
     pub part: StagedPart,
+    /// Set when the rank could not write its snapshot (`part.dir` is then empty): why.
+    pub skipped: Option<String>,
     /// Which worker group (generation or restart) was running; see [`AgentState::epoch`].
     pub epoch: u64,
     /// The generation that group ran in.
@@ -138,6 +147,10 @@ struct Inner {
     staging_root: PathBuf,
     /// The newest committed step, for workers restarted after a failure.
     resume: Option<ResumePoint>,
+    /// Why the store refused a step this node staged (a manifest over the read limit...):
+    /// the next `saved` is answered with it, so the worker's save fails with the reason
+    /// instead of the refusal staying in the agent's log.
+    refused: Option<String>,
 }
 
 impl AgentState {
@@ -156,6 +169,7 @@ impl AgentState {
                 client_seen: false,
                 staging_root,
                 resume: None,
+                refused: None,
             }),
             metrics: crate::metrics::Metrics::default(),
         }
@@ -193,6 +207,12 @@ impl AgentState {
 
     pub fn should_stop(&self) -> bool {
         self.lock().should_stop
+    }
+
+    /// The store refused a staged step for good: the next `saved` of any worker of this
+    /// node gets `why` as its error.
+    pub fn refuse_next_save(&self, why: String) {
+        self.lock().refused = Some(why);
     }
 
     /// Ask workers for a snapshot at `step`.
@@ -240,6 +260,24 @@ impl AgentState {
         self.lock().client_seen
     }
 
+    /// One request line from a worker (outside bytes: any of them), parsed and handled: the
+    /// reply, and the part to hand to the agent loop when it was a `saved` or `skipped`.
+    /// Never panics; the fuzz target `runtime/fuzz` drives it.
+    pub fn handle_line(&self, line: &[u8]) -> (Reply, Option<Received>) {
+        match serde_json::from_slice::<Request>(line) {
+            Err(e) => (
+                Reply::Error {
+                    message: format!("bad request: {e}"),
+                },
+                None,
+            ),
+            Ok(req) => match self.handle(req) {
+                Err(message) => (Reply::Error { message }, None),
+                Ok(done) => done,
+            },
+        }
+    }
+
     fn handle(&self, req: Request) -> Result<(Reply, Option<Received>), String> {
         // File-system checks happen before taking the lock: they may block.
         let staged = match &req {
@@ -249,6 +287,14 @@ impl AgentState {
             }
             _ => None,
         };
+        if let Request::Progress { step, .. }
+        | Request::Saved { step, .. }
+        | Request::Skipped { step, .. }
+        | Request::PeerStop { step, .. } = &req
+        {
+            // Steps travel on into etcd records and manifests: bound them once, here.
+            checkpoint::format::validate_step(*step)?;
+        }
         let mut s = self.lock();
         s.client_seen = true;
         match req {
@@ -260,9 +306,29 @@ impl AgentState {
             }
             Request::Saved { rank, step, .. } => {
                 check_rank(&s.ranks, rank)?;
+                if let Some(why) = s.refused.take() {
+                    return Err(why);
+                }
                 let dir = staged.ok_or("saved dir unchecked")?;
                 let received = Received {
                     part: StagedPart { rank, step, dir },
+                    skipped: None,
+                    epoch: s.epoch,
+                    generation: s.generation,
+                    ranks: s.ranks.clone(),
+                    world_size: s.world_size,
+                };
+                Ok((Reply::Ok, Some(received)))
+            }
+            Request::Skipped { rank, step, reason } => {
+                check_rank(&s.ranks, rank)?;
+                let received = Received {
+                    part: StagedPart {
+                        rank,
+                        step,
+                        dir: PathBuf::new(),
+                    },
+                    skipped: Some(reason),
                     epoch: s.epoch,
                     generation: s.generation,
                     ranks: s.ranks.clone(),
@@ -382,18 +448,12 @@ async fn serve_connection(
             send(&mut write, &Reply::Error { message }).await?;
             return Ok(());
         }
-        let reply = match serde_json::from_slice::<Request>(&line) {
-            Err(e) => Reply::Error {
-                message: format!("bad request: {e}"),
-            },
-            Ok(req) => match state.handle(req) {
-                Err(message) => Reply::Error { message },
-                Ok((reply, None)) => reply,
-                Ok((reply, Some(part))) => match hand_over_part(state, parts, part).await {
-                    Ok(()) => reply,
-                    Err(_) => Reply::Error {
-                        message: "agent is shutting down".into(),
-                    },
+        let reply = match state.handle_line(&line) {
+            (reply, None) => reply,
+            (reply, Some(part)) => match hand_over_part(state, parts, part).await {
+                Ok(()) => reply,
+                Err(_) => Reply::Error {
+                    message: "agent is shutting down".into(),
                 },
             },
         };
@@ -522,6 +582,7 @@ mod tests {
         let state = Arc::new(AgentState::new(PathBuf::from("/staging")));
         state.begin_group(1, 1, 0..1);
         let part = |step| Received {
+            skipped: None,
             part: StagedPart {
                 rank: 0,
                 step,
@@ -644,6 +705,9 @@ mod tests {
             "not json\n",
             "{\"type\":\"launch\"}\n",
             "{\"type\":\"progress\",\"rank\":-1,\"step\":1}\n",
+            // Steps past the largest one the format and etcd records hold.
+            "{\"type\":\"progress\",\"rank\":3,\"step\":18446744073709551615}\n",
+            "{\"type\":\"peer_stop\",\"rank\":3,\"step\":9007199254740992}\n",
             "[]\n",
             "\n",
         ] {
@@ -653,6 +717,91 @@ mod tests {
             roundtrip(&mut c, "{\"type\":\"query\"}\n").await["type"],
             "state"
         );
+        assert_eq!(h.state.last_step(), None, "no refused step was recorded");
+    }
+
+    /// The stable stand-in for the fuzz target: seeded random and mutated request lines never
+    /// panic the handler (`ELASTIC_SEED` replays one seed).
+    #[test]
+    fn random_and_mutated_request_lines_never_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let staging = std::fs::canonicalize(dir.path()).unwrap();
+        std::fs::create_dir_all(staging.join("step-5/rank-2")).unwrap();
+        let state = AgentState::new(staging.clone());
+        state.begin_group(3, 4, 2..4);
+        let seeds: Vec<u64> = match std::env::var("ELASTIC_SEED") {
+            Ok(s) => vec![s.parse().expect("ELASTIC_SEED is a number")],
+            Err(_) => (1..=300).collect(),
+        };
+        let valid = [
+            r#"{"type":"progress","rank":2,"step":9}"#.to_string(),
+            format!(
+                r#"{{"type":"saved","rank":2,"step":5,"dir":"{}"}}"#,
+                staging.join("step-5/rank-2").display()
+            ),
+            r#"{"type":"skipped","rank":3,"step":8,"reason":"full"}"#.to_string(),
+            r#"{"type":"peer_stop","rank":3,"step":7}"#.to_string(),
+            r#"{"type":"query"}"#.to_string(),
+        ];
+        for seed in seeds {
+            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut next = move || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            for base in &valid {
+                let mut line = base.clone().into_bytes();
+                for _ in 0..(next() % 6) {
+                    let i = (next() as usize) % line.len().max(1);
+                    match next() % 4 {
+                        0 => line[i] = next() as u8,
+                        1 => line.insert(i, b"{}[]\",:0123456789-e.\\u"[(next() % 21) as usize]),
+                        2 if !line.is_empty() => {
+                            line.remove(i);
+                        }
+                        _ => line.extend_from_slice(b"99999999999999999999"),
+                    }
+                }
+                let _ = state.handle_line(&line);
+            }
+            let random: Vec<u8> = (0..(next() % 64)).map(|_| next() as u8).collect();
+            let _ = state.handle_line(&random);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_skipped_snapshot_reaches_the_agent_with_its_reason() {
+        let mut h = harness().await;
+        let mut c = BufReader::new(UnixStream::connect(&h.socket).await.unwrap());
+        let msg = "{\"type\":\"skipped\",\"rank\":3,\"step\":8,\"reason\":\"staging full\"}\n";
+        assert_eq!(roundtrip(&mut c, msg).await["type"], "ok");
+        let r = h.parts.recv().await.unwrap();
+        assert_eq!((r.part.rank, r.part.step), (3, 8));
+        assert_eq!(r.skipped.as_deref(), Some("staging full"));
+        // A foreign rank is refused like for `saved`.
+        let foreign = "{\"type\":\"skipped\",\"rank\":0,\"step\":8,\"reason\":\"x\"}\n";
+        assert_eq!(roundtrip(&mut c, foreign).await["type"], "error");
+    }
+
+    #[tokio::test]
+    async fn a_step_the_store_refused_fails_the_next_save_once_with_the_reason() {
+        let h = harness().await;
+        let mut c = BufReader::new(UnixStream::connect(&h.socket).await.unwrap());
+        let part = h.staging.join("step-5/rank-2");
+        std::fs::create_dir_all(&part).unwrap();
+        let msg =
+            serde_json::json!({"type":"saved","rank":2,"step":5,"dir":part}).to_string() + "\n";
+        h.state
+            .refuse_next_save("step 4 is refused: its manifest would be too large".into());
+        let r = roundtrip(&mut c, &msg).await;
+        assert_eq!(r["type"], "error");
+        assert!(
+            r["message"].as_str().unwrap().contains("step 4 is refused"),
+            "{r}"
+        );
+        assert_eq!(roundtrip(&mut c, &msg).await["type"], "ok");
     }
 
     #[tokio::test]

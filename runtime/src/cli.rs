@@ -21,6 +21,8 @@ pub const PREEMPTION_GRACE_DEFAULT: &str = "30s";
 pub const STARTUP_TIMEOUT_DEFAULT: &str = "10m";
 /// Default `--checkpoint-interval` in steps; 0 means interval checkpoints are off.
 pub const CHECKPOINT_INTERVAL_DEFAULT: u64 = 0;
+/// Default `--checkpoint-keep-last`: committed steps retention keeps.
+pub const CHECKPOINT_KEEP_LAST_DEFAULT: usize = 3;
 /// Default `--role`, torchrun's.
 pub const ROLE_DEFAULT: &str = "default";
 /// Default `--rdzv-id`, torchrun's.
@@ -73,7 +75,10 @@ pub struct Cli {
     #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID", default_value = RDZV_ID_DEFAULT)]
     pub rdzv_id: String,
 
-    /// Extra rendezvous settings, `key=value,key=value`.
+    /// Extra rendezvous settings, `key=value,key=value`: timing and join policy, and how to
+    /// reach etcd (torchrun's `protocol=https`, `cacert=PATH`, `cert=PATH`, `key=PATH`). etcd's
+    /// user and password come from `ELASTIC_ETCD_USERNAME` and `ELASTIC_ETCD_PASSWORD`, or
+    /// etcdctl's `ETCDCTL_USER=user:password`.
     #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF", default_value = "",
           value_parser = parse_rdzv_conf)]
     pub rdzv_conf: RdzvConf,
@@ -150,6 +155,15 @@ pub struct Cli {
           default_value_t = checkpoint::Compression::Auto)]
     pub checkpoint_compress: checkpoint::Compression,
 
+    /// An option of the checkpoint store, `KEY=VALUE` with object_store's key names for the
+    /// URL's scheme (`aws_endpoint`, `aws_region`, `timeout`, `azure_storage_account_name`,
+    /// `google_service_account`, ...), applied over the environment (`AWS_*`, ...). Repeatable;
+    /// a comma before another `KEY=` starts the next option, so the environment variable (read
+    /// when the flag is not given) takes a comma-separated list. Values are never printed.
+    #[arg(long = "checkpoint-store-option", env = "ELASTIC_CHECKPOINT_STORE_OPTIONS",
+          value_name = "KEY=VALUE", hide_env_values = true, value_parser = StoreOptionsParser)]
+    pub checkpoint_store_option: Vec<StoreOptionList>,
+
     /// Checkpoint every N steps (0: only on drain and when workers decide).
     #[arg(long = "checkpoint-interval", env = "ELASTIC_CHECKPOINT_INTERVAL",
           default_value_t = CHECKPOINT_INTERVAL_DEFAULT)]
@@ -159,6 +173,17 @@ pub struct Cli {
     /// worker agrees on it through `should_stop`.
     #[arg(long = "checkpoint-every", env = "ELASTIC_CHECKPOINT_EVERY", value_parser = parse_positive_duration)]
     pub checkpoint_every: Option<Duration>,
+
+    /// Retention after each commit keeps the newest K committed steps that pass its check
+    /// (at least 1; a newer step that does not pass is kept too, and does not count).
+    #[arg(long = "checkpoint-keep-last", env = "ELASTIC_CHECKPOINT_KEEP_LAST",
+          default_value_t = CHECKPOINT_KEEP_LAST_DEFAULT, value_parser = parse_keep_last)]
+    pub checkpoint_keep_last: usize,
+
+    /// Retention also keeps every committed step divisible by N.
+    #[arg(long = "checkpoint-keep-every", env = "ELASTIC_CHECKPOINT_KEEP_EVERY",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub checkpoint_keep_every: Option<u64>,
 
     /// How the learning rate follows the world size.
     #[arg(long = "lr-scaling", env = "ELASTIC_LR_SCALING", value_enum, default_value_t = LrScaling::None)]
@@ -193,9 +218,21 @@ pub struct Cli {
           default_value = PREEMPTION_GRACE_DEFAULT, value_parser = parse_duration)]
     pub preemption_grace: Duration,
 
-    /// Cloud preemption notice to poll: `gcp`, `aws`, `azure`, or an `http://` URL.
+    /// Cloud preemption notice to watch: `gcp`, `aws`, `azure` (their metadata services),
+    /// `KIND=http://HOST:PORT[/PATH]` (that service elsewhere), or an `http://` URL.
     #[arg(long = "preemption-notice", env = "ELASTIC_PREEMPTION_NOTICE", value_parser = parse_notice)]
     pub preemption_notice: Option<PreemptionNotice>,
+
+    /// What an AWS rebalance recommendation does: `save` (checkpoint now and keep training),
+    /// `drain` (leave, as on a preemption notice) or `ignore`.
+    #[arg(long = "rebalance-action", env = "ELASTIC_REBALANCE_ACTION", value_enum,
+          default_value_t = RebalanceAction::Save)]
+    pub rebalance_action: RebalanceAction,
+
+    /// This VM's name: only Azure scheduled events that name it count (default: every
+    /// `Preempt` or `Terminate` event).
+    #[arg(long = "azure-vm-name", env = "ELASTIC_AZURE_VM_NAME")]
+    pub azure_vm_name: Option<String>,
 
     /// Node-local staging directory for snapshots (default under /dev/shm).
     #[arg(long = "staging-dir", env = "ELASTIC_STAGING_DIR")]
@@ -273,6 +310,17 @@ pub enum RdzvBackend {
     Static,
 }
 
+impl Cli {
+    /// Every `--checkpoint-store-option` (or `ELASTIC_CHECKPOINT_STORE_OPTIONS` entry), keys in
+    /// lower case, in the order given.
+    pub fn store_options(&self) -> Vec<(String, String)> {
+        self.checkpoint_store_option
+            .iter()
+            .flat_map(|l| l.0.iter().cloned())
+            .collect()
+    }
+}
+
 /// `--rdzv-conf key=value,...`, in the order given.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RdzvConf(pub Vec<(String, String)>);
@@ -320,6 +368,135 @@ impl CheckpointUrl {
     }
 }
 
+/// One `--checkpoint-store-option` value: object_store configuration keys (lower case) and
+/// their values. `Debug` shows the keys only: values may be credentials.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct StoreOptionList(pub Vec<(String, String)>);
+
+impl std::fmt::Debug for StoreOptionList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.0.iter().map(|(k, _)| k))
+            .finish()
+    }
+}
+
+/// Largest number of options one `--checkpoint-store-option` value may hold.
+const STORE_OPTIONS_MAX: usize = 64;
+
+/// Whether object_store knows `key` (lower case) for the store of `scheme`; `None` for a
+/// scheme whose store takes no options (`file`, `memory`).
+pub fn store_option_known(scheme: &str, key: &str) -> Option<bool> {
+    use std::str::FromStr;
+    match scheme {
+        "s3" | "s3a" => Some(object_store::aws::AmazonS3ConfigKey::from_str(key).is_ok()),
+        "az" | "azure" | "abfs" | "abfss" => {
+            Some(object_store::azure::AzureConfigKey::from_str(key).is_ok())
+        }
+        "gs" => Some(object_store::gcp::GoogleConfigKey::from_str(key).is_ok()),
+        _ => None,
+    }
+}
+
+/// Checks `--checkpoint-store-option` against the store `url` opens: every key must be one of
+/// that backend's, and `file://` and `memory://` stores take none. Names keys, never values.
+pub fn check_store_options(url: &str, options: &[(String, String)]) -> Result<(), String> {
+    let Some((k, _)) = options.first() else {
+        return Ok(());
+    };
+    let scheme = url.split_once("://").map_or("file", |(s, _)| s);
+    for (key, _) in options {
+        match store_option_known(scheme, key) {
+            Some(true) => {}
+            Some(false) => {
+                return Err(format!(
+                    "`{key}` is not an option of {scheme}:// stores (object_store's {} names)",
+                    match scheme {
+                        "s3" | "s3a" => "AmazonS3ConfigKey",
+                        "gs" => "GoogleConfigKey",
+                        _ => "AzureConfigKey",
+                    }
+                ));
+            }
+            None => {
+                return Err(format!(
+                    "`{k}` given, but {scheme}:// stores take no options (they are for s3://, \
+                     az:// and gs://)"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `KEY=VALUE[,KEY=VALUE...]`: a comma followed by something other than `KEY=` belongs to the
+/// value before it. Each key must be an object_store option of some backend (S3, Azure, GCS);
+/// the URL's own backend is checked at start-up ([`check_store_options`]).
+fn parse_store_options(s: &str) -> Result<StoreOptionList, String> {
+    let key_like = |k: &str| {
+        !k.is_empty()
+            && k.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    };
+    let mut out: Vec<(String, String)> = Vec::new();
+    for part in s.split(',').filter(|p| !p.trim().is_empty()) {
+        match part.split_once('=') {
+            Some((k, v)) if key_like(k.trim()) => {
+                out.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+            }
+            _ => match out.last_mut() {
+                Some((_, v)) => {
+                    v.push(',');
+                    v.push_str(part.trim_end());
+                }
+                // Not echoed: it may be a credential given without its key.
+                None => return Err("expected KEY=VALUE (object_store option names)".into()),
+            },
+        }
+        if out.len() > STORE_OPTIONS_MAX {
+            return Err(format!("more than {STORE_OPTIONS_MAX} options"));
+        }
+    }
+    for (k, _) in &out {
+        let known = ["s3", "az", "gs"]
+            .iter()
+            .any(|scheme| store_option_known(scheme, k) == Some(true));
+        if !known {
+            return Err(format!(
+                "unknown store option `{k}`: use object_store's names for S3 (`aws_endpoint`, \
+                 `aws_region`, ...), Azure (`azure_storage_account_name`, ...) or GCS \
+                 (`google_service_account`, ...), or a client option (`timeout`, \
+                 `connect_timeout`, `allow_http`, ...)"
+            ));
+        }
+    }
+    Ok(StoreOptionList(out))
+}
+
+/// clap's parser for `--checkpoint-store-option`: [`parse_store_options`], with errors that do
+/// not echo the value given (clap's own would), since values may be credentials.
+#[derive(Clone, Copy, Debug)]
+pub struct StoreOptionsParser;
+
+impl clap::builder::TypedValueParser for StoreOptionsParser {
+    type Value = StoreOptionList;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<StoreOptionList, clap::Error> {
+        let fail = |kind, why: String| {
+            clap::Error::raw(kind, format!("--checkpoint-store-option: {why}\n")).with_cmd(cmd)
+        };
+        let s = value
+            .to_str()
+            .ok_or_else(|| fail(clap::error::ErrorKind::InvalidUtf8, "not UTF-8".into()))?;
+        parse_store_options(s).map_err(|e| fail(clap::error::ErrorKind::ValueValidation, e))
+    }
+}
+
 /// URL schemes `--checkpoint-url` accepts.
 pub const CHECKPOINT_SCHEMES: &[&str] = &["file", "s3", "az", "azure", "abfs", "gs", "memory"];
 
@@ -345,6 +522,17 @@ pub enum NoticeKind {
     Azure,
     /// Any 2xx answer with a body other than empty, `FALSE` or `false` means preempted.
     Generic,
+}
+
+/// `--rebalance-action`: what an AWS rebalance recommendation does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RebalanceAction {
+    /// Ask the workers for a checkpoint now, and keep training.
+    Save,
+    /// Drain, as on a preemption notice.
+    Drain,
+    /// Do not poll it.
+    Ignore,
 }
 
 /// GCP metadata: `TRUE` once preempted.
@@ -411,7 +599,7 @@ fn parse_backend(s: &str) -> Result<RdzvBackend, String> {
     }
 }
 
-fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, String> {
+pub(crate) fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, String> {
     let mut out = Vec::new();
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (k, v) = part
@@ -458,6 +646,15 @@ fn parse_positive_duration(s: &str) -> Result<Duration, String> {
         return Err("must be longer than 0".into());
     }
     Ok(d)
+}
+
+/// `--checkpoint-keep-last`: at least 1, since retention never deletes the newest good step.
+fn parse_keep_last(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1: retention always keeps the newest committed step".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn parse_positive_f64(s: &str) -> Result<f64, String> {
@@ -607,6 +804,7 @@ mod tests {
             &["--lr-scaling", "cubic", "x.py"],
             &["--preemption-grace", "soon", "x.py"],
             &["--preemption-notice", "ftp://x", "x.py"],
+            &["--rebalance-action", "panic", "x.py"],
             &["--checkpoint-url", "ftp://bucket/job", "x.py"],
             &["--checkpoint-url", "s3://", "x.py"],
             &["--indivisible-batch", "round", "x.py"],
@@ -618,6 +816,37 @@ mod tests {
             &["--bogus", "x.py"],
             &["--hang-timeout", "0", "x.py"],
             &["--checkpoint-every", "0s", "x.py"],
+        ] {
+            let err = parse(args).expect_err(&format!("{args:?} should fail"));
+            assert_eq!(err.exit_code(), 2, "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn checkpoint_retention_flags_parse_and_keep_last_0_is_refused() {
+        let cli = parse(&["x.py"]).unwrap();
+        assert_eq!(cli.checkpoint_keep_last, CHECKPOINT_KEEP_LAST_DEFAULT);
+        assert_eq!(cli.checkpoint_keep_every, None);
+        let cli = parse(&[
+            "--checkpoint-keep-last",
+            "1",
+            "--checkpoint-keep-every=500",
+            "x.py",
+        ])
+        .unwrap();
+        assert_eq!(cli.checkpoint_keep_last, 1);
+        assert_eq!(cli.checkpoint_keep_every, Some(500));
+        let err = parse(&["--checkpoint-keep-last", "0", "x.py"]).unwrap_err();
+        assert_eq!(err.exit_code(), 2, "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("--checkpoint-keep-last") && msg.contains("at least 1"),
+            "{msg}"
+        );
+        for args in [
+            &["--checkpoint-keep-last", "-1", "x.py"][..],
+            &["--checkpoint-keep-last", "many", "x.py"],
+            &["--checkpoint-keep-every", "0", "x.py"],
         ] {
             let err = parse(args).expect_err(&format!("{args:?} should fail"));
             assert_eq!(err.exit_code(), 2, "{args:?}: {err}");
@@ -683,8 +912,78 @@ mod tests {
         );
         assert_eq!(parse_notice("gcp").unwrap().url, GCP_NOTICE_URL);
         assert!(parse_notice("gcp=ftp://x").is_err());
+        assert_eq!(cli.rebalance_action, RebalanceAction::Save);
+        let drain = parse(&["--rebalance-action", "drain", "x.py"]).unwrap();
+        assert_eq!(drain.rebalance_action, RebalanceAction::Drain);
         assert_eq!(cli.rdzv_conf.get("last_call"), Some("2"));
         assert_eq!(cli.hang_timeout, Some(Duration::from_secs(10)));
         assert_eq!(cli.nproc_per_node, NProc::Auto);
+    }
+
+    #[test]
+    fn checkpoint_store_options_parse_repeated_and_as_a_list_and_hide_their_values() {
+        let cli = parse(&[
+            "--checkpoint-url",
+            "s3://b/job",
+            "--checkpoint-store-option",
+            "AWS_ENDPOINT=http://127.0.0.1:9000",
+            "--checkpoint-store-option",
+            "region=eu-west-1,aws_secret_access_key=s3cr3t,timeout=30s",
+            "x.py",
+        ])
+        .unwrap();
+        let opts = cli.store_options();
+        assert_eq!(
+            opts,
+            [
+                ("aws_endpoint", "http://127.0.0.1:9000"),
+                ("region", "eu-west-1"),
+                ("aws_secret_access_key", "s3cr3t"),
+                ("timeout", "30s"),
+            ]
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+        );
+        let shown = format!("{cli:?}");
+        assert!(shown.contains("aws_secret_access_key"), "{shown}");
+        assert!(!shown.contains("s3cr3t"), "{shown}");
+        assert_eq!(check_store_options("s3://b/job", &opts), Ok(()));
+        // The environment's form: a comma before something that is not KEY= stays in the value.
+        let l = parse_store_options("proxy_excludes=a.example,b.example, aws_region=x,").unwrap();
+        assert_eq!(
+            l.0,
+            [
+                ("proxy_excludes", "a.example,b.example"),
+                ("aws_region", "x")
+            ]
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+        );
+        assert_eq!(parse_store_options("").unwrap().0, []);
+        assert!(parse(&["x.py"]).unwrap().store_options().is_empty());
+    }
+
+    #[test]
+    fn bad_checkpoint_store_options_are_refused_by_name() {
+        let err = parse(&["--checkpoint-store-option", "aws_regoin=x", "x.py"]).unwrap_err();
+        assert_eq!(err.exit_code(), 2);
+        assert!(err.to_string().contains("`aws_regoin`"), "{err}");
+        let err = parse(&["--checkpoint-store-option", "hunter2", "x.py"]).unwrap_err();
+        assert_eq!(err.exit_code(), 2);
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        // Known to some backend, but not to the URL's.
+        let az = [("azure_storage_account_name".to_string(), "acct".to_string())];
+        let e = check_store_options("s3://b/job", &az).unwrap_err();
+        assert!(
+            e.contains("`azure_storage_account_name`") && e.contains("s3://"),
+            "{e}"
+        );
+        assert_eq!(check_store_options("az://c/job", &az), Ok(()));
+        let gs = [("google_service_account".to_string(), "/k.json".to_string())];
+        assert_eq!(check_store_options("gs://b/job", &gs), Ok(()));
+        let e = check_store_options("file:///tmp/ck", &gs).unwrap_err();
+        assert!(
+            e.contains("take no options") && !e.contains("/k.json"),
+            "{e}"
+        );
+        assert_eq!(check_store_options("file:///tmp/ck", &[]), Ok(()));
     }
 }

@@ -11,6 +11,9 @@
 //! | `workers_started` | `generation`, `restart_count` |
 //! | `first_step` | `generation`, `step` (the first progress report of a worker group) |
 //! | `checkpoint_committed` | `step`, `generation`, `bytes`, `by_this_node` |
+//! | `checkpoint_skipped` | `step`, `generation`, `rank`, `reason` (a worker could not stage its snapshot: a full staging disk) |
+//! | `staging_too_small` | `step`, `checkpoint_bytes`, `staging_bytes`, `needed_bytes` (at the first checkpoint, when staging cannot hold five of them) |
+//! | `restore_fell_back` | `generation`, `skipped` (newer committed steps that did not verify), `step` (the one restored) |
 //! | `drain_started` | `reason` (`signal`, `notice`, `peer`) |
 //! | `worker_failed` | `generation`, `rank`, `exit_code` |
 //! | `fenced` | `reason` |

@@ -1,7 +1,8 @@
 //! Prometheus metrics for one agent, served at `GET /metrics` on `--metrics-addr`.
 //!
-//! Names end in `_total`, `_seconds`, `_bytes` or name a plain gauge; no labels (one agent per
-//! process), so cardinality is fixed.
+//! Names end in `_total`, `_seconds`, `_bytes` or name a plain gauge. Labels are few and fixed
+//! (one agent per process): only `elastic_preemption_notice_errors_total` has one, `kind`, with
+//! three values.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -43,6 +44,8 @@ pub struct Metrics {
     pub lease_healthy: AtomicU64,
     /// Whether `lease_healthy` means anything (etcd mode).
     pub has_lease: std::sync::atomic::AtomicBool,
+    /// Failed preemption-notice checks, by `notice::ErrorKind::index`.
+    notice_errors_total: [AtomicU64; crate::notice::ErrorKind::ALL.len()],
 }
 
 impl Metrics {
@@ -58,6 +61,16 @@ impl Metrics {
         );
         self.committed_step_plus_one
             .fetch_max(step.saturating_add(1), Ordering::Relaxed);
+    }
+
+    /// Counts one failed preemption-notice check.
+    pub fn notice_error(&self, kind: crate::notice::ErrorKind) {
+        self.notice_errors_total[kind.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Failed preemption-notice checks of one kind so far.
+    pub fn notice_errors(&self, kind: crate::notice::ErrorKind) -> u64 {
+        self.notice_errors_total[kind.index()].load(Ordering::Relaxed)
     }
 
     /// The Prometheus text exposition of every metric.
@@ -188,6 +201,19 @@ impl Metrics {
                 format!("{:.3}", t.elapsed().as_secs_f64()),
             );
         }
+        let name = "elastic_preemption_notice_errors_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Preemption-notice checks that got no answer, by kind (auth: 400, 401 or 403 from the metadata service, a misconfiguration).\n# TYPE {name} counter"
+        );
+        for kind in crate::notice::ErrorKind::ALL {
+            let _ = writeln!(
+                out,
+                "{name}{{kind=\"{}\"}} {}",
+                kind.label(),
+                self.notice_errors(kind)
+            );
+        }
         out
     }
 }
@@ -262,6 +288,7 @@ mod tests {
             .metrics
             .committed(40, 1000, Duration::from_millis(1500));
         state.metrics.committed(50, 24, Duration::from_millis(500));
+        state.metrics.notice_error(crate::notice::ErrorKind::Auth);
         let text = state.metrics.render(&state);
         for line in [
             "elastic_generation 3",
@@ -271,6 +298,9 @@ mod tests {
             "elastic_checkpoint_commit_seconds_total 2.000000",
             "elastic_checkpoint_committed_step 50",
             "# TYPE elastic_worker_restarts_total counter",
+            "# TYPE elastic_preemption_notice_errors_total counter",
+            "elastic_preemption_notice_errors_total{kind=\"auth\"} 1",
+            "elastic_preemption_notice_errors_total{kind=\"transport\"} 0",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

@@ -1,10 +1,12 @@
 //! `elastic-run status`: a job's members, generation, scaling decision and committed
 //! checkpoints, read from etcd (and the checkpoint store) without joining the job.
 
+use anyhow::Context;
 use clap::Parser;
 use serde_json::{Value, json};
 
-/// `elastic-run status --rdzv-endpoint H:P --rdzv-id JOB [--checkpoint-url URL] [--json]`
+/// `elastic-run status --rdzv-endpoint H:P --rdzv-id JOB [--rdzv-conf K=V,...]
+/// [--checkpoint-url URL [--checkpoint-store-option K=V]...] [--json]`
 #[derive(Debug, Clone, Parser)]
 #[command(name = "elastic-run status", about = "Show an elastic-run job's state")]
 pub struct StatusCli {
@@ -18,15 +20,28 @@ pub struct StatusCli {
     /// The job id (`--rdzv-id` of its agents).
     #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID")]
     pub rdzv_id: String,
+    /// The agents' `--rdzv-conf`: its `protocol`, `cacert`, `cert`, `key` and
+    /// `request_timeout_ms` say how to reach etcd, its other keys are accepted and not used.
+    /// etcd's user and password come from `ELASTIC_ETCD_USERNAME` and `ELASTIC_ETCD_PASSWORD`,
+    /// or `ETCDCTL_USER=user:password`, as for the agent.
+    #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF", default_value = "",
+          value_parser = crate::cli::parse_rdzv_conf)]
+    pub rdzv_conf: crate::cli::RdzvConf,
     /// Also list the committed steps in this checkpoint store.
     #[arg(long = "checkpoint-url", env = "ELASTIC_CHECKPOINT_URL")]
     pub checkpoint_url: Option<String>,
+    /// The agents' `--checkpoint-store-option`s, for that store.
+    #[arg(long = "checkpoint-store-option", env = "ELASTIC_CHECKPOINT_STORE_OPTIONS",
+          value_name = "KEY=VALUE", hide_env_values = true,
+          value_parser = crate::cli::StoreOptionsParser)]
+    pub checkpoint_store_option: Vec<crate::cli::StoreOptionList>,
     /// One JSON object instead of text.
     #[arg(long)]
     pub json: bool,
 }
 
-/// Runs `status`; returns the exit code (0, or 1 when etcd or the store cannot be read).
+/// Runs `status`; returns the exit code (0; 1 when etcd or the store cannot be read; 2 for a
+/// bad `--rdzv-conf` or store option).
 pub async fn run(cli: StatusCli) -> u8 {
     match collect(&cli).await {
         Ok(v) => {
@@ -39,15 +54,43 @@ pub async fn run(cli: StatusCli) -> u8 {
         }
         Err(e) => {
             eprintln!("elastic-run status: error: {e:#}");
-            1
+            if e.downcast_ref::<crate::agent::UsageError>().is_some() {
+                2
+            } else {
+                1
+            }
         }
     }
 }
 
 async fn collect(cli: &StatusCli) -> anyhow::Result<Value> {
-    let endpoints = crate::agent::split_endpoints(&cli.rdzv_endpoint);
-    let connect = elastic::etcd::Connect::new(endpoints);
-    let st = elastic::status(&connect, &cli.rdzv_id).await?;
+    for (k, _) in &cli.rdzv_conf.0 {
+        if !crate::agent::RDZV_CONF_KEYS.contains(&k.as_str())
+            && !crate::agent::RDZV_CONF_IGNORED_KEYS.contains(&k.as_str())
+        {
+            return Err(crate::agent::unknown_rdzv_conf_key(k));
+        }
+    }
+    let connect = crate::agent::etcd_connect(&cli.rdzv_endpoint, &cli.rdzv_conf)?;
+    let store_config: Vec<(String, String)> = cli
+        .checkpoint_store_option
+        .iter()
+        .flat_map(|l| l.0.iter().cloned())
+        .collect();
+    if let Some(url) = &cli.checkpoint_url {
+        crate::cli::check_store_options(url, &store_config)
+            .map_err(|e| crate::agent::UsageError(format!("--checkpoint-store-option: {e}")))?;
+    }
+    let st = elastic::status(&connect, &cli.rdzv_id)
+        .await
+        .map_err(|e| crate::agent::explain_etcd_error(e, &connect, &cli.rdzv_id))
+        .with_context(|| {
+            format!(
+                "read job {} at {}",
+                cli.rdzv_id,
+                connect.endpoints.join(",")
+            )
+        })?;
     let mut out = json!({
         "job": cli.rdzv_id,
         "leader": st.leader,
@@ -62,7 +105,7 @@ async fn collect(cli: &StatusCli) -> anyhow::Result<Value> {
         "waiting": st.waiting,
     });
     if let Some(url) = &cli.checkpoint_url {
-        let store = checkpoint::Store::open(url)?;
+        let store = checkpoint::Store::open_with_options(url, store_config)?;
         let cancel = checkpoint::CancellationToken::new();
         let steps = store.list_steps(&cancel).await?;
         out["checkpoints"] = json!({
@@ -231,5 +274,35 @@ mod tests {
         ])
         .unwrap();
         assert!(c.json);
+    }
+
+    #[test]
+    fn status_takes_the_agents_rdzv_conf_and_store_options() {
+        let c = StatusCli::try_parse_from([
+            "status",
+            "--rdzv-endpoint",
+            "h:1",
+            "--rdzv-id",
+            "j",
+            "--rdzv-conf",
+            "protocol=https,cacert=/ca.pem,lease_ttl_ms=2000",
+            "--checkpoint-store-option",
+            "aws_secret_access_key=s3cr3t",
+        ])
+        .unwrap();
+        assert_eq!(c.rdzv_conf.get("cacert"), Some("/ca.pem"));
+        assert!(!format!("{c:?}").contains("s3cr3t"));
+        let bad = StatusCli::try_parse_from([
+            "status",
+            "--rdzv-endpoint",
+            "h:1",
+            "--rdzv-id",
+            "j",
+            "--checkpoint-store-option",
+            "aws_secret_acess_key=s3cr3t",
+        ])
+        .unwrap_err();
+        assert_eq!(bad.exit_code(), 2);
+        assert!(!bad.to_string().contains("s3cr3t"), "{bad}");
     }
 }

@@ -16,7 +16,8 @@
 //! is cancelled (a lost peer never uploads its part). The manifest metadata is
 //! `{"elastic": <agent metadata>, "state": <meta.json "state" of this node's lowest rank>}`;
 //! every rank records the same replicated state, so any node can commit. After a commit this
-//! node wrote, retention keeps the newest [`SinkOptions::keep_steps`] committed steps.
+//! node wrote, retention keeps the newest [`SinkOptions::keep_steps`] committed steps that
+//! pass the cheap check (and every multiple of [`SinkOptions::keep_every`]); see `retain`.
 //!
 //! # Restoring
 //!
@@ -65,7 +66,7 @@ pub const RESTORED_MARKER: &str = "restored.json";
 /// Largest `meta.json`, `metadata.json` or marker read.
 const META_BYTES_MAX: u64 = 16 * 1024 * 1024;
 /// Version of `restored.json`; a marker of any other version is ignored (restored again).
-const MARKER_VERSION: u32 = 1;
+const MARKER_VERSION: u32 = 2;
 /// Leftover (never committed) steps younger than this are kept by retention: they may be a
 /// step other nodes are still uploading.
 const LEFTOVER_AGE_MS_MIN: u64 = 3_600_000;
@@ -80,8 +81,10 @@ pub struct SinkOptions {
     pub commit_wait_ms: u64,
     /// Pause between commit attempts of an incomplete step.
     pub retry_pause_ms: u64,
-    /// Committed steps kept by retention (at least 1).
+    /// Committed steps kept by retention (at least 1; 0 makes retention refuse to run).
     pub keep_steps: usize,
+    /// Retention also keeps every committed step divisible by this (at least 1).
+    pub keep_every: Option<u64>,
     /// Chunking, compression and upload concurrency (bounds memory per part).
     /// [`StoreSink::open`] sets `save.compress` from `compression` and the store.
     pub save: SaveOptions,
@@ -100,6 +103,7 @@ impl Default for SinkOptions {
             commit_wait_ms: 120_000,
             retry_pause_ms: 200,
             keep_steps: 3,
+            keep_every: None,
             save: SaveOptions::default(),
             compression: checkpoint::Compression::Auto,
             read: ReadOptions::default(),
@@ -115,6 +119,7 @@ impl std::fmt::Debug for SinkOptions {
             .field("commit_wait_ms", &self.commit_wait_ms)
             .field("retry_pause_ms", &self.retry_pause_ms)
             .field("keep_steps", &self.keep_steps)
+            .field("keep_every", &self.keep_every)
             .field("save", &self.save)
             .field("compression", &self.compression)
             .field("read_concurrency", &self.read.concurrency)
@@ -242,6 +247,9 @@ struct Restored {
     ranks: BTreeSet<u32>,
     /// No sharded tensors: every rank's tensors are the same, at any world size.
     dense: bool,
+    /// The store the bytes came from (without credentials): another job's step N staged in
+    /// the same directory is not this one's.
+    store: String,
 }
 
 /// Streams staged steps to a store; see the module docs.
@@ -464,7 +472,7 @@ impl StoreSink {
             "step committed"
         );
         if by_this_node {
-            self.retain(cancel).await;
+            self.retain(step, cancel).await;
         }
         Ok(Committed {
             step,
@@ -475,11 +483,22 @@ impl StoreSink {
         })
     }
 
-    async fn retain(&self, cancel: &CancellationToken) {
+    /// Retention after `committed`, a commit this node wrote. It runs on every commit, so it
+    /// stays cheap: gc's `Present` check (manifests read, objects HEADed, no data read) of
+    /// the newest `keep_steps` steps only. A flipped bit goes unseen, which is safe here:
+    /// `committed` is pinned (counted as verifying, never deleted), and it is good, since this
+    /// agent checksummed its chunks as it uploaded them and the commit found every part
+    /// durable. It is normally the newest step; when a newer one that passes the cheap check
+    /// is corrupt (an older step was restored past it), the pin still keeps `committed`. A step
+    /// that does not pass (a garbled manifest, a missing or truncated object) does not count
+    /// toward `keep_steps`. `elastic-ckpt gc` reads the steps it keeps in full.
+    async fn retain(&self, committed: u64, cancel: &CancellationToken) {
         let policy = RetentionPolicy {
-            keep_last: self.opts.keep_steps.max(1),
-            keep_every: None,
+            keep_last: self.opts.keep_steps,
+            keep_every: self.opts.keep_every,
             leftover_age_ms_min: LEFTOVER_AGE_MS_MIN,
+            check: checkpoint::retention::GcCheck::Present,
+            pinned: Some(committed),
         };
         match self.store.gc(&policy, false, cancel).await {
             Ok(r) if r.objects_deleted > 0 => tracing::info!(
@@ -529,6 +548,56 @@ impl StoreSink {
             .await
     }
 
+    /// [`StoreSink::restore`] of `step`, or, when that step does not verify (a chunk fails
+    /// its checksum, an object is missing or truncated, the manifest is invalid or names a
+    /// file that cannot be laid out), of the newest older committed step that does. Each
+    /// step skipped is logged with the bad object. Returns the point restored and the steps
+    /// skipped, newest first. Any other error (the store unreachable, cancellation, local
+    /// I/O such as a full disk) is returned as it is: it says nothing about the step.
+    ///
+    /// Every node of a generation falls back alike for a replicated (DDP) step, since each
+    /// node reads all of its bytes. A sharded step read only in part by each node could in
+    /// principle send nodes to different steps when the corruption lies in one node's rows.
+    pub async fn restore_or_older(
+        &self,
+        step: u64,
+        ranks: Range<u32>,
+        world_size: u32,
+        cancel: &CancellationToken,
+    ) -> Result<(ResumePoint, Vec<u64>), SinkError> {
+        let integrity =
+            |e: &SinkError| matches!(e, SinkError::Restore { source, .. } if source.is_integrity());
+        let first = match self.restore(step, ranks.clone(), world_size, cancel).await {
+            Ok(p) => return Ok((p, Vec::new())),
+            Err(e) if integrity(&e) => e,
+            Err(e) => return Err(e),
+        };
+        tracing::warn!(step, error = %first, "committed step does not restore; falling back to the previous committed step");
+        let mut skipped = vec![step];
+        let older = tokio::select! {
+            r = self.store.committed_steps(cancel) => r,
+            () = cancel.cancelled() => return Err(SinkError::Cancelled { op: format!("restore of step {step}") }),
+        }
+        .map_err(|source| SinkError::Read {
+            url: self.url().to_string(),
+            source: Box::new(source),
+        })?;
+        for s in older.into_iter().rev().filter(|s| *s < step) {
+            match self.restore(s, ranks.clone(), world_size, cancel).await {
+                Ok(p) => {
+                    tracing::warn!(step = s, skipped = ?skipped, "resuming from an older committed step");
+                    return Ok((p, skipped));
+                }
+                Err(e) if integrity(&e) => {
+                    tracing::warn!(step = s, error = %e, "committed step does not restore either; falling back further");
+                    skipped.push(s);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(first)
+    }
+
     async fn restore_inner(
         &self,
         step: u64,
@@ -556,7 +625,8 @@ impl StoreSink {
         }
 
         // What finished ranks can be kept.
-        let marker = read_marker(&dir).filter(|m| m.version == MARKER_VERSION && m.step == step);
+        let marker = read_marker(&dir)
+            .filter(|m| m.version == MARKER_VERSION && m.step == step && m.store == self.url());
         let (mut done, mut dense) = match marker {
             Some(m) if m.dense || m.world_size == world_size => {
                 let present = m
@@ -568,9 +638,10 @@ impl StoreSink {
                 (present, Some(m.dense))
             }
             other => {
-                if other.is_some() {
-                    // Sharded rows of another world: nothing is reusable. The marker goes
-                    // first so a crash while removing never leaves it naming a lost rank.
+                if other.is_some() || dir.join(RESTORED_MARKER).exists() {
+                    // Sharded rows of another world, or bytes of another store (or an older
+                    // marker): nothing is reusable. The marker goes first so a crash while
+                    // removing never leaves it naming a lost rank.
                     remove_durably(&dir.join(RESTORED_MARKER), &dir)?;
                 }
                 let d = dir.clone();
@@ -633,7 +704,10 @@ impl StoreSink {
                 let d = dir.clone();
                 blocking(move || install_rank(&d, &tmp, r)).await?;
                 done.insert(r);
-                write_marker(&dir, &marker_of(step, world_size, &done, is_dense))?;
+                write_marker(
+                    &dir,
+                    &marker_of(self.url(), step, world_size, &done, is_dense),
+                )?;
             }
         }
 
@@ -668,7 +742,7 @@ impl StoreSink {
                 });
             }
         }
-        write_marker(&dir, &marker_of(step, world_size, &done, dense))?;
+        write_marker(&dir, &marker_of(self.url(), step, world_size, &done, dense))?;
         tracing::info!(
             step,
             ranks = ?ranks,
@@ -732,13 +806,20 @@ fn shown_url(url: &str) -> String {
     }
 }
 
-fn marker_of(step: u64, world_size: u32, ranks: &BTreeSet<u32>, dense: bool) -> Restored {
+fn marker_of(
+    store: &str,
+    step: u64,
+    world_size: u32,
+    ranks: &BTreeSet<u32>,
+    dense: bool,
+) -> Restored {
     Restored {
         version: MARKER_VERSION,
         step,
         world_size,
         ranks: ranks.clone(),
         dense,
+        store: store.to_string(),
     }
 }
 
@@ -842,7 +923,11 @@ async fn blocking<T: Send + 'static>(
 /// Creates `dir`, removes every other restored step and leftover temporaries (only the newest
 /// restored step is kept: restores live in `/dev/shm`, memory).
 fn prepare_restore_dir(root: &Path, dir: &Path, step: u64) -> Result<(), SinkError> {
-    std::fs::create_dir_all(dir).map_err(io("create", dir))?;
+    create_private_dir_all(dir)?;
+    // Found ones too (laid out before restores were private): weights are not for others.
+    for d in [root, dir] {
+        make_private(d)?;
+    }
     let keep = format!("step-{step}");
     for e in std::fs::read_dir(root).map_err(io("read", root))?.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
@@ -904,8 +989,9 @@ fn sync_dir(dir: &Path) -> Result<(), SinkError> {
         .map_err(io("fsync", dir))
 }
 
-/// Temp file, fsync, rename, fsync the directory.
+/// Temp file (0600), fsync, rename, fsync the directory.
 fn write_durable(path: &Path, bytes: &[u8]) -> Result<(), SinkError> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path
         .file_name()
@@ -913,7 +999,14 @@ fn write_durable(path: &Path, bytes: &[u8]) -> Result<(), SinkError> {
         .unwrap_or_default();
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        // A leftover temp file keeps its old mode through open: set it.
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
         f.write_all(bytes)?;
         f.sync_all()
     };
@@ -943,6 +1036,8 @@ fn install_rank(dir: &Path, tmp: &Path, rank: u32) -> Result<(), SinkError> {
             reason: format!("the restore of rank {rank} left no {RESTORE_FILE}"),
         });
     }
+    // Whatever wrote them, restored weights are for this user only.
+    make_private_tree(tmp)?;
     sync_dir(tmp)?;
     let dest = dir.join(format!("rank-{rank}"));
     remove_if_exists(&dest)?;
@@ -989,7 +1084,7 @@ fn link_rank(dir: &Path, from: u32, to: u32, world_size: u32) -> Result<(), Sink
     let src = dir.join(format!("rank-{from}"));
     let tmp = dir.join(format!("{TMP_PREFIX}rank-{to}"));
     remove_if_exists(&tmp)?;
-    std::fs::create_dir_all(&tmp).map_err(io("create", &tmp))?;
+    create_private_dir_all(&tmp)?;
     let (a, b) = (src.join(RESTORE_FILE), tmp.join(RESTORE_FILE));
     if std::fs::hard_link(&a, &b).is_err() {
         std::fs::copy(&a, &b).map_err(io("copy", &a))?;
@@ -1004,6 +1099,45 @@ fn link_rank(dir: &Path, from: u32, to: u32, world_size: u32) -> Result<(), Sink
         world_size,
     )?;
     install_rank(dir, &tmp, to)
+}
+
+/// `create_dir_all` with every directory it makes 0700.
+fn create_private_dir_all(dir: &Path) -> Result<(), SinkError> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(io("create", dir))
+}
+
+/// Sets a real directory to 0700 and a regular file to 0600; symlinks are left alone.
+fn make_private(p: &Path) -> Result<(), SinkError> {
+    use std::os::unix::fs::PermissionsExt;
+    let m = std::fs::symlink_metadata(p).map_err(io("stat", p))?;
+    let want = if m.is_dir() {
+        0o700
+    } else if m.is_file() {
+        0o600
+    } else {
+        return Ok(());
+    };
+    if m.permissions().mode() & 0o7777 != want {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(want))
+            .map_err(io("chmod", p))?;
+    }
+    Ok(())
+}
+
+/// [`make_private`] on `dir` and everything below it (symlinks not followed).
+fn make_private_tree(dir: &Path) -> Result<(), SinkError> {
+    make_private(dir)?;
+    if std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir()) {
+        for e in std::fs::read_dir(dir).map_err(io("read", dir))? {
+            make_private_tree(&e.map_err(io("read", dir))?.path())?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1217,6 +1351,51 @@ mod tests {
         assert!(matches!(e, SinkError::Restore { step: 8, .. }), "{e}");
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn restored_and_linked_weights_are_private_to_this_user() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let staging = tmp.path().join("s/step-4");
+        stage(&staging, 4, 0, 1, serde_json::json!({}));
+        let sink = StoreSink::with_store(
+            Store::open("memory://").unwrap(),
+            tmp.path().join("r"),
+            fast(),
+        );
+        let c = CancellationToken::new();
+        let s = StepToCommit {
+            step: 4,
+            generation: 1,
+            world_size: 1,
+            parts: vec![part(&staging, 0, 4)],
+            agent_metadata: serde_json::json!({}),
+        };
+        sink.commit(s, &c).await.unwrap();
+        // A restore root laid out before restores were private is made private too.
+        std::fs::create_dir(tmp.path().join("r")).unwrap();
+        std::fs::set_permissions(tmp.path().join("r"), std::fs::Permissions::from_mode(0o755))
+            .unwrap();
+        // Dense: rank 0 from the store, rank 1 linked to it, each with rewritten metadata.
+        let p = sink.restore(4, 0..2, 2, &c).await.unwrap();
+        assert!(p.dir.join("rank-1").join(RESTORE_FILE).is_file());
+        let mut seen = (0, 0);
+        let mut todo = vec![tmp.path().join("r")];
+        while let Some(d) = todo.pop() {
+            let m = std::fs::symlink_metadata(&d).unwrap();
+            let mode = m.permissions().mode() & 0o7777;
+            if m.is_dir() {
+                assert_eq!(mode, 0o700, "{}", d.display());
+                seen.0 += 1;
+                todo.extend(std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().path()));
+            } else {
+                assert_eq!(mode, 0o600, "{}", d.display());
+                seen.1 += 1;
+            }
+        }
+        // r, step-4, rank-0, rank-1; the marker and both ranks' tensors and metadata.
+        assert!(seen.0 >= 4 && seen.1 >= 5, "{seen:?}");
+    }
+
     #[tokio::test]
     async fn a_lone_node_times_out_naming_the_missing_writers() {
         let tmp = tempfile::tempdir().unwrap();
@@ -1269,5 +1448,50 @@ mod tests {
                 .unwrap_err()
                 .is_cancelled()
         );
+    }
+
+    /// Retention after each commit: the newest `keep_steps`, every multiple of `keep_every`,
+    /// and always the step just committed, even when it is older than the newest.
+    #[tokio::test]
+    async fn retention_keeps_keep_steps_milestones_and_the_step_just_committed() {
+        async fn commit_step(sink: &StoreSink, root: &Path, step: u64) -> Committed {
+            let staging = root.join(format!("staging/step-{step}"));
+            stage(&staging, step, 0, 1, serde_json::json!({}));
+            let s = StepToCommit {
+                step,
+                generation: 1,
+                world_size: 1,
+                parts: vec![part(&staging, 0, step)],
+                agent_metadata: serde_json::json!({}),
+            };
+            sink.commit(s, &CancellationToken::new()).await.unwrap()
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let c = CancellationToken::new();
+        let commit = |sink, step| commit_step(sink, tmp.path(), step);
+        let store = Store::open("memory://").unwrap();
+        let opts = SinkOptions {
+            keep_steps: 2,
+            keep_every: Some(4),
+            ..fast()
+        };
+        let sink = StoreSink::with_store(store.clone(), tmp.path().join("r"), opts);
+        for step in 1..=6 {
+            assert!(commit(&sink, step).await.by_this_node);
+        }
+        assert_eq!(store.committed_steps(&c).await.unwrap(), [4, 5, 6]);
+
+        let store = Store::open("memory://").unwrap();
+        let opts = SinkOptions {
+            keep_steps: 1,
+            ..fast()
+        };
+        let sink = StoreSink::with_store(store.clone(), tmp.path().join("r2"), opts);
+        commit(&sink, 10).await;
+        // Older than the newest (as after a restore fell back past step 10): still kept.
+        commit(&sink, 5).await;
+        assert_eq!(store.committed_steps(&c).await.unwrap(), [5, 10]);
+        commit(&sink, 6).await;
+        assert_eq!(store.committed_steps(&c).await.unwrap(), [6, 10]);
     }
 }

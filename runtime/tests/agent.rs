@@ -200,6 +200,90 @@ fn bad_flags_and_values_exit_2_with_a_message() {
     assert_eq!(status.code(), Some(2), "{err}");
 }
 
+/// The S3 endpoint, region and keys given only through `--checkpoint-store-option` (no
+/// `AWS_*` in the environment): the worker's step lands in moto. Bad options fail at start-up.
+#[test]
+fn checkpoint_store_options_from_the_command_line_reach_s3() {
+    let tmp = tempfile::tempdir().unwrap();
+    let moto = services::moto().expect("moto must start (run tests/services/setup.sh)");
+    moto.create_bucket("ckpt").unwrap();
+    let clean = |c: &mut std::process::Command| {
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("AWS_") {
+                c.env_remove(&k);
+            }
+        }
+    };
+    let mut c = agent(tmp.path());
+    clean(&mut c);
+    c.args(["--standalone", "--nproc-per-node", "1"])
+        .args(["--checkpoint-url", "s3://ckpt/flags"])
+        .args(["--checkpoint-store-option", &format!("aws_endpoint={}", moto.endpoint())])
+        .args(["--checkpoint-store-option", "aws_allow_http=true,aws_region=us-east-1"])
+        .args(["--checkpoint-store-option", "aws_access_key_id=testing"])
+        .args(["--checkpoint-store-option", "aws_secret_access_key=s3cr3t-v4lue"])
+        .arg("--")
+        .arg(python())
+        .args([
+            "-c",
+            "import torch, elastic_run as er; er.save(4, extra={'w': torch.ones(3)}); print('saved 4')",
+        ]);
+    let (status, out, err) = run(c, Duration::from_secs(120));
+    assert!(status.success(), "{out}\n{err}");
+    assert!(out.contains("saved 4"), "{out}");
+    assert!(
+        !format!("{out}{err}").contains("s3cr3t-v4lue"),
+        "{out}\n{err}"
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let steps = rt.block_on(async {
+        let store = checkpoint::Store::open_with_options(
+            "s3://ckpt/flags",
+            services::s3_store_options(&moto.env()),
+        )
+        .unwrap();
+        store
+            .committed_steps(&checkpoint::CancellationToken::new())
+            .await
+            .unwrap()
+    });
+    assert_eq!(steps, [4], "{err}");
+
+    // A key no backend knows, one of another backend, and any for a local directory: exit 2
+    // naming the key, before a worker starts.
+    for (url, opt, needle) in [
+        ("s3://ckpt/flags", "aws_regoin=x", "`aws_regoin`"),
+        (
+            "s3://ckpt/flags",
+            "azure_storage_account_name=x",
+            "`azure_storage_account_name`",
+        ),
+        (
+            "file:///tmp/elastic-unused",
+            "aws_region=x",
+            "take no options",
+        ),
+    ] {
+        let mut c = agent(tmp.path());
+        clean(&mut c);
+        c.args([
+            "--standalone",
+            "--checkpoint-url",
+            url,
+            "--checkpoint-store-option",
+            opt,
+        ])
+        .args(["--no-python", "--", "sh", "-c", "echo worker ran"]);
+        let (status, out, err) = run(c, Duration::from_secs(30));
+        assert_eq!(status.code(), Some(2), "{opt}: {out}\n{err}");
+        assert!(err.contains(needle), "{opt}: {err}");
+        assert!(!out.contains("worker ran"), "{out}");
+    }
+}
+
 #[test]
 fn unmodified_torchrun_script_runs_with_two_workers() {
     let tmp = tempfile::tempdir().unwrap();
@@ -487,31 +571,6 @@ fn silent_workers_are_restarted_by_the_hang_watchdog_then_fail_the_job() {
     assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
 }
 
-/// Serves `FALSE` until `preempted` is set, then `TRUE` (GCP's format).
-fn notice_server(preempted: std::sync::Arc<std::sync::atomic::AtomicBool>) -> String {
-    use std::io::{Read, Write};
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { return };
-            let mut buf = [0u8; 2048];
-            let _ = s.read(&mut buf);
-            let body = if preempted.load(std::sync::atomic::Ordering::SeqCst) {
-                "TRUE"
-            } else {
-                "FALSE"
-            };
-            let _ = write!(
-                s,
-                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-        }
-    });
-    format!("http://{addr}/computeMetadata/v1/instance/preempted")
-}
-
 fn scrape(addr: &str) -> Option<String> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).ok()?;
@@ -522,50 +581,135 @@ fn scrape(addr: &str) -> Option<String> {
     Some(out)
 }
 
+/// The longest a drain may take to start after a notice appears: AWS and Azure are polled
+/// every second, GCP's wait returns at once; the rest is slack for a loaded machine.
+const NOTICE_TO_DRAIN_MS_MAX: u64 = 4_000;
+
+/// `elastic-run` training the example under `--preemption-notice NOTICE`, its output followed
+/// while it runs.
+struct Training {
+    child: std::process::Child,
+    out: std::sync::mpsc::Receiver<String>,
+    err: std::sync::mpsc::Receiver<String>,
+    seen_out: String,
+    seen_err: String,
+}
+
+impl Training {
+    fn start(tmp: &std::path::Path, notice: &str, nproc: &str, extra: &[&str]) -> Training {
+        let mut c = agent(tmp);
+        c.args(["--nproc-per-node", nproc, "--preemption-notice", notice])
+            .args(extra)
+            .arg("--checkpoint-url")
+            .arg(tmp.join("ck"))
+            .arg("--events-file")
+            .arg(tmp.join("events.jsonl"))
+            .arg("--")
+            .arg(python())
+            .arg(repo().join("examples/ddp_train.py"))
+            .args(["--steps", "100000", "--step-sleep", "0.02"]);
+        let mut child = c
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        Training {
+            out: reader(child.stdout.take().unwrap()),
+            err: reader(child.stderr.take().unwrap()),
+            child,
+            seen_out: String::new(),
+            seen_err: String::new(),
+        }
+    }
+
+    fn wait_out(&mut self, needle: &str, limit: Duration) {
+        if !wait_for_line(&self.out, needle, limit, &mut self.seen_out) {
+            let _ = self.child.kill();
+            panic!(
+                "no {needle:?} on stdout within {limit:?}:\n{}\n{}",
+                self.seen_out, self.seen_err
+            );
+        }
+    }
+
+    fn wait_err(&mut self, needle: &str, limit: Duration) {
+        if !wait_for_line(&self.err, needle, limit, &mut self.seen_err) {
+            let _ = self.child.kill();
+            panic!(
+                "no {needle:?} on stderr within {limit:?}:\n{}\n{}",
+                self.seen_out, self.seen_err
+            );
+        }
+    }
+
+    /// How long after `appeared` the agent said it drains for the notice; asserts the bound.
+    fn drain_lag(&mut self, appeared: std::time::Instant, cloud: &str) -> Duration {
+        self.wait_err("preemption notice; draining", Duration::from_secs(30));
+        let lag = appeared.elapsed();
+        eprintln!(
+            "{cloud}: drain started {} ms after the notice appeared",
+            lag.as_millis()
+        );
+        assert!(
+            lag < Duration::from_millis(NOTICE_TO_DRAIN_MS_MAX),
+            "{cloud}: drain started {lag:?} after the notice:\n{}",
+            self.seen_err
+        );
+        lag
+    }
+
+    /// Waits for a clean exit; returns the step the workers drained at (now committed).
+    fn finish(mut self, tmp: &std::path::Path) -> (u64, String) {
+        let status = wait_limit(&mut self.child, Duration::from_secs(60));
+        self.seen_out.push_str(&collect(self.out));
+        self.seen_err.push_str(&collect(self.err));
+        let (out, err) = (self.seen_out, self.seen_err);
+        assert!(status.success(), "{status:?}\n{out}\n{err}");
+        let step: u64 = out
+            .lines()
+            .find_map(|l| l.split("stopping at step ").nth(1))
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no drained step:\n{out}\n{err}"));
+        let ck = tmp.join("ck");
+        assert!(
+            committed_steps(ck.to_str().unwrap()).contains(&step),
+            "step {step} not committed:\n{err}"
+        );
+        (step, err)
+    }
+}
+
+/// The `--events-file` lines of one event.
+fn events_of(tmp: &std::path::Path, event: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(tmp.join("events.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == event)
+        .collect()
+}
+
 #[test]
-fn preemption_notice_drains_the_example_and_metrics_report_the_commits() {
+fn gcp_preemption_drains_at_once_through_wait_for_change_and_metrics_report_the_commits() {
     let tmp = tempfile::tempdir().unwrap();
-    let ck = tmp.path().join("ck");
-    let preempted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let url = notice_server(preempted.clone());
+    let gce = services::metadata::Gce::start().expect("local GCP metadata server");
     let metrics_addr = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().to_string()
     };
-    let mut c = agent(tmp.path());
-    c.args([
-        "--nproc-per-node",
+    let mut t = Training::start(
+        tmp.path(),
+        &format!("gcp={}", gce.url()),
         "2",
-        "--checkpoint-interval",
-        "3",
-        "--metrics-addr",
-        &metrics_addr,
-    ])
-    .arg("--preemption-notice")
-    .arg(format!("gcp={url}"))
-    .arg("--checkpoint-url")
-    .arg(&ck)
-    .arg("--")
-    .arg(python())
-    .arg(repo().join("examples/ddp_train.py"))
-    .args(["--steps", "100000", "--step-sleep", "0.02"]);
-    let mut child = c
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = reader(child.stdout.take().unwrap());
-    let err = reader(child.stderr.take().unwrap());
-    let mut seen = String::new();
-    assert!(
-        wait_for_line(
-            &out,
-            "[rank 0] saved step 3",
-            Duration::from_secs(120),
-            &mut seen
-        ),
-        "{seen}"
+        &[
+            "--checkpoint-interval",
+            "3",
+            "--metrics-addr",
+            &metrics_addr,
+        ],
     );
+    t.wait_out("[rank 0] saved step 3", Duration::from_secs(120));
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let metrics = loop {
         let m = scrape(&metrics_addr).unwrap_or_default();
@@ -587,28 +731,75 @@ fn preemption_notice_drains_the_example_and_metrics_report_the_commits() {
             .any(|l| l.starts_with("elastic_checkpoint_bytes_total ") && !l.ends_with(" 0")),
         "{metrics}"
     );
-    preempted.store(true, std::sync::atomic::Ordering::SeqCst);
-    let status = wait_limit(&mut child, Duration::from_secs(60));
-    seen.push_str(&collect(out));
-    let err = collect(err);
-    assert!(status.success(), "{status:?}\n{seen}\n{err}");
-    assert!(err.contains("preemption notice"), "{err}");
-    let stop_line = seen
-        .lines()
-        .find(|l| l.contains("stopping at step"))
-        .unwrap_or_else(|| panic!("{seen}"));
-    let step: u64 = stop_line
-        .split("stopping at step ")
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
     assert!(
-        committed_steps(ck.to_str().unwrap()).contains(&step),
-        "{err}"
+        metrics
+            .lines()
+            .any(|l| l == "elastic_preemption_notice_errors_total{kind=\"auth\"} 0"),
+        "{metrics}"
+    );
+    assert!(gce.waits() >= 1, "the agent waits for the change");
+    let appeared = gce.set_preempted(true);
+    t.drain_lag(appeared, "gcp");
+    t.finish(tmp.path());
+    assert_eq!(gce.refused(), 0);
+}
+
+#[test]
+fn aws_rebalance_saves_and_spot_interruption_drains_through_imdsv2() {
+    let tmp = tempfile::tempdir().unwrap();
+    let imds = services::metadata::Imds::start().expect("local AWS IMDS");
+    let mut t = Training::start(tmp.path(), &format!("aws={}", imds.url()), "1", &[]);
+    t.wait_out("[rank 0] step 3 ", Duration::from_secs(120));
+    // `--rebalance-action save` (the default): a checkpoint now, and training goes on.
+    imds.set_rebalance();
+    t.wait_err(
+        "rebalance recommendation; checkpointing now",
+        Duration::from_secs(10),
+    );
+    t.wait_out("[rank 0] saved step", Duration::from_secs(10));
+    let appeared = imds.set_instance_action("terminate");
+    t.drain_lag(appeared, "aws");
+    t.finish(tmp.path());
+    assert!(imds.token_puts() >= 1);
+    assert_eq!(
+        (imds.tokenless_gets(), imds.unauthorized()),
+        (0, 0),
+        "every GET carried a valid IMDSv2 token"
+    );
+}
+
+#[test]
+fn azure_preempt_event_drains_and_is_approved_after_the_drained_step_commits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let az = services::metadata::Azure::start().expect("local Azure IMDS");
+    let mut t = Training::start(
+        tmp.path(),
+        &format!("azure={}", az.url()),
+        "1",
+        &["--azure-vm-name", "vm-a"],
+    );
+    t.wait_out("[rank 0] step 3 ", Duration::from_secs(120));
+    az.add_event("Preempt", &["vm-b"]);
+    let (id, appeared) = az.add_event("Preempt", &["vm-a"]);
+    t.drain_lag(appeared, "azure");
+    let (step, err) = t.finish(tmp.path());
+    let approvals = az.approvals();
+    assert_eq!(approvals.len(), 1, "{approvals:?}\n{err}");
+    assert_eq!(approvals[0].event_ids, vec![id]);
+    let drain_ms = events_of(tmp.path(), "drain_started")
+        .first()
+        .and_then(|e| e["ts_ms"].as_u64())
+        .unwrap_or_else(|| panic!("no drain_started event:\n{err}"));
+    assert!(approvals[0].unix_ms >= drain_ms);
+    let commit_ms = events_of(tmp.path(), "checkpoint_committed")
+        .iter()
+        .find(|e| e["step"] == step)
+        .and_then(|e| e["ts_ms"].as_u64())
+        .unwrap_or_else(|| panic!("no commit event for step {step}:\n{err}"));
+    assert!(
+        approvals[0].unix_ms >= commit_ms,
+        "approved at {} ms, the drained step committed at {commit_ms} ms",
+        approvals[0].unix_ms
     );
 }
 
@@ -653,9 +844,12 @@ fn digest(out: &str) -> String {
 #[test]
 fn resuming_at_the_same_world_size_gives_bitwise_equal_weights() {
     let tmp = tempfile::tempdir().unwrap();
-    let train = |ck: &std::path::Path, steps: u32| {
+    // (stdout, stderr) of the example trained to `steps` under one agent.
+    let train_with = |ck: &std::path::Path, steps: u32, flags: &[&str]| {
         let mut c = agent(tmp.path());
-        c.args(["--nproc-per-node", "2", "--checkpoint-url"])
+        c.args(["--nproc-per-node", "2"])
+            .args(flags)
+            .arg("--checkpoint-url")
             .arg(ck)
             .arg("--")
             .arg(python())
@@ -663,8 +857,9 @@ fn resuming_at_the_same_world_size_gives_bitwise_equal_weights() {
             .args(["--steps", &steps.to_string(), "--seed", "7"]);
         let (status, out, err) = run(c, Duration::from_secs(180));
         assert!(status.success(), "{out}\n{err}");
-        out
+        (out, err)
     };
+    let train = |ck: &std::path::Path, steps: u32| train_with(ck, steps, &[]).0;
     let straight = train(&tmp.path().join("a"), 30);
     let first = train(&tmp.path().join("b"), 12);
     let resumed = train(&tmp.path().join("b"), 30);
@@ -675,4 +870,160 @@ fn resuming_at_the_same_world_size_gives_bitwise_equal_weights() {
         "the check must be able to fail"
     );
     assert_eq!(digest(&resumed), digest(&straight));
+
+    // A bit flips in the newest committed step: the agent warns, naming the object, resumes
+    // from the step before, and the weights still come out bitwise equal.
+    let ck = tmp.path().join("c");
+    let (first, _) = train_with(&ck, 12, &["--checkpoint-interval", "5"]);
+    let steps = committed_steps(&format!("file://{}", ck.display()));
+    assert!(steps.len() >= 2, "{steps:?}\n{first}");
+    let (newest, before) = (steps[steps.len() - 1], steps[steps.len() - 2]);
+    let data = ck.join(format!("steps/{newest:020}/data"));
+    let writer = std::fs::read_dir(&data).unwrap().next().unwrap().unwrap();
+    let chunk = writer.path().join("000000.bin");
+    let mut bytes = std::fs::read(&chunk).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x01;
+    std::fs::write(&chunk, bytes).unwrap();
+    let (out, err) = train_with(&ck, 30, &[]);
+    assert!(
+        out.contains(&format!("resumed from step {before} ")),
+        "{out}"
+    );
+    assert!(
+        err.contains("000000.bin") && err.contains("falling back"),
+        "{err}"
+    );
+    assert_eq!(digest(&out), digest(&straight));
+}
+
+#[test]
+fn a_symlink_planted_at_the_default_staging_path_is_refused_and_its_target_kept() {
+    use std::os::unix::fs::DirBuilderExt;
+    let tmp = tempfile::tempdir().unwrap();
+    // The default staging dir is `<root>/<run id>/<node id>`: both given, so it is known.
+    let run_id = format!(
+        "symlink-e2e-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos()
+    );
+    let root = if std::path::Path::new("/dev/shm").is_dir() {
+        std::path::PathBuf::from("/dev/shm/elastic-run")
+    } else {
+        std::env::temp_dir().join("elastic-run")
+    };
+    let job = root.join(&run_id);
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&job)
+        .unwrap();
+    // Another user's directory, as far as the agent can tell: it must stay untouched.
+    let victim = tmp.path().join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    std::fs::write(victim.join("sentinel"), "not the agent's").unwrap();
+    let link = job.join("n0");
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+
+    let mut c = agent(tmp.path());
+    c.env_remove("ELASTIC_STAGING_DIR")
+        .args([
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-id",
+            &run_id,
+        ])
+        .args(["--node-id", "n0", "--"])
+        .arg(python())
+        .args(["-c", "print('worker ran')"]);
+    let (status, out, err) = run(c, Duration::from_secs(60));
+    let sentinel = victim.join("sentinel").exists();
+    let _ = std::fs::remove_file(&link);
+    let _ = std::fs::remove_dir(&job);
+    let _ = std::fs::remove_dir(&root);
+    assert!(!status.success(), "{out}\n{err}");
+    assert!(
+        err.contains("is a symlink") && err.contains(&format!("{run_id}/n0")),
+        "{err}"
+    );
+    assert!(!out.contains("worker ran"), "{out}");
+    assert!(sentinel, "the symlink's target lost its files");
+}
+
+/// Mounts a tmpfs of `size` at `dir` (root only); unmounted when the guard drops.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &std::path::Path, size: &str) -> Option<Tmpfs> {
+        std::fs::create_dir_all(dir).unwrap();
+        let ok = std::process::Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
+            .arg(dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| Tmpfs(dir.to_path_buf()))
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+#[test]
+fn a_full_staging_file_system_skips_checkpoints_and_never_ends_the_job() {
+    let tmp = tempfile::tempdir().unwrap();
+    let staging = tmp.path().join("shm");
+    // Smaller than one snapshot of the model below: every checkpoint meets ENOSPC.
+    let Some(_fs) = Tmpfs::mount(&staging, "128k") else {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "CI runs as root and must be able to mount a tmpfs"
+        );
+        eprintln!("skipped: mounting a tmpfs needs root");
+        return;
+    };
+    let ck = tmp.path().join("ck");
+    let mut c = agent(tmp.path());
+    c.env("ELASTIC_STAGING_DIR", &staging)
+        .args(["--nproc-per-node", "2", "--checkpoint-interval", "5"])
+        .arg("--checkpoint-url")
+        .arg(&ck)
+        .arg("--events-file")
+        .arg(tmp.path().join("events.jsonl"))
+        .arg("--")
+        .arg(python())
+        .arg(repo().join("examples/ddp_train.py"))
+        .args(["--steps", "15", "--hidden", "256"]);
+    let (status, out, err) = run(c, Duration::from_secs(180));
+    assert!(status.success(), "{out}\n{err}");
+    assert!(out.contains("[rank 0] done step 15"), "{out}");
+    assert!(
+        err.contains("skipping the checkpoint of step 5") && err.contains("is full"),
+        "{err}"
+    );
+    let skipped = events_of(tmp.path(), "checkpoint_skipped");
+    assert!(
+        skipped.iter().any(|e| e["step"] == 5) && skipped.iter().any(|e| e["step"] == 15),
+        "{skipped:?}"
+    );
+    assert!(
+        committed_steps(&format!("file://{}", ck.display())).is_empty(),
+        "nothing fit, so nothing may be committed"
+    );
 }

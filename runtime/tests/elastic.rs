@@ -535,25 +535,34 @@ fn status_shows_members_generation_and_commits() {
     let a = job.start("a", "2:2", &train);
     let b = job.start("b", "2:2", &train);
     job.wait_event("a commit", LONG, |e| is(e, "checkpoint_committed"));
-    let out = Command::new(BIN)
-        .args([
-            "status",
-            "--rdzv-endpoint",
-            &job.etcd.host_port(),
-            "--rdzv-id",
-            &job.id,
-            "--checkpoint-url",
-            &job.url,
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    // The event says the store has the step; etcd hears of it a moment later (the agent
+    // reports it after the commit): wait on the view asserted, etcd's, with a deadline.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let v: Value = loop {
+        let out = Command::new(BIN)
+            .args([
+                "status",
+                "--rdzv-endpoint",
+                &job.etcd.host_port(),
+                "--rdzv-id",
+                &job.id,
+                "--checkpoint-url",
+                &job.url,
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        if v["latest_commit"]["step"].as_u64().is_some() || Instant::now() > deadline {
+            break v;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
     assert_eq!(v["members"].as_array().unwrap().len(), 2, "{v}");
     assert_eq!(v["generation"]["world_size"], 4, "{v}");
     assert!(v["latest_commit"]["step"].as_u64().is_some(), "{v}");
@@ -659,4 +668,217 @@ fn a_worker_crashing_past_max_restarts_fails_every_node_with_its_error() {
     assert_eq!(code_q, 3, "q fails with its worker's exit code:\n{err_q}");
     assert!(err_q.contains("exit code 3"), "{err_q}");
     assert_ne!(code_p, 0, "the job failed for p too:\n{err_p}");
+}
+
+// ---- etcd with TLS and auth ----
+
+/// A quick agent of `job` on `endpoint`: one shell worker (no Python) that prints its rank
+/// and stays `$HOLD_S` seconds, short timings, and `conf` appended to `--rdzv-conf`. None of
+/// the caller's `ETCDCTL_*`.
+fn shell_agent(
+    tmp: &std::path::Path,
+    endpoint: &str,
+    job: &str,
+    node: &str,
+    nnodes: &str,
+    conf: &str,
+) -> Command {
+    let mut c = agent(tmp);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("ETCDCTL_") {
+            c.env_remove(&k);
+        }
+    }
+    c.args([
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "etcd-v3",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        job,
+        "--node-id",
+        node,
+        "--local-addr",
+        "127.0.0.1",
+        "--rdzv-conf",
+        &format!("lease_ttl_ms={TTL_MS},settle_ms=200,request_timeout_ms=5000{conf}"),
+    ])
+    .arg("--staging-dir")
+    .arg(tmp.join(format!("staging-{job}-{node}")))
+    .arg("--checkpoint-url")
+    .arg(tmp.join("bucket"))
+    .args([
+        "--no-python",
+        "--",
+        "sh",
+        "-c",
+        "echo \"worker rank $RANK of $WORLD_SIZE\"; sleep \"${HOLD_S:-0}\"",
+    ]);
+    c
+}
+
+/// `elastic-run status --json` of `job` with `conf` as `--rdzv-conf` and `env`; returns the
+/// exit code, stdout and stderr.
+fn status_of(endpoint: &str, job: &str, conf: &str, env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut c = Command::new(BIN);
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy().into_owned();
+        if k.starts_with("ETCDCTL_") || k.starts_with("ELASTIC_") || k.starts_with("PET_") {
+            c.env_remove(&k);
+        }
+    }
+    c.args([
+        "status",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        job,
+        "--json",
+    ])
+    .args(["--rdzv-conf", conf])
+    .envs(env.iter().copied());
+    let (status, out, err) = run(c, Duration::from_secs(60));
+    (status.code().unwrap_or(-1), out, err)
+}
+
+#[test]
+fn a_two_node_job_runs_on_etcd_with_client_certificates_and_a_foreign_certificate_is_refused() {
+    let _guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    let etcd = services::etcd_tls().expect("etcd with TLS must start");
+    let ep = etcd.host_port();
+    let t = &etcd.tls;
+    let tls = |ca: &std::path::Path, cert: &std::path::Path, key: &std::path::Path| {
+        format!(
+            "protocol=https,cacert={},cert={},key={}",
+            ca.display(),
+            cert.display(),
+            key.display()
+        )
+    };
+    let good = tls(&t.ca, &t.client_cert, &t.client_key);
+    let spawn = |node: &str| {
+        let mut c = shell_agent(tmp.path(), &ep, "tlsjob", node, "2:2", &format!(",{good}"));
+        // The first node done finishes the job: the other must have started its worker.
+        c.env("HOLD_S", "1");
+        let mut child = c
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = reader(child.stdout.take().unwrap());
+        let err = reader(child.stderr.take().unwrap());
+        (child, out, err)
+    };
+    let nodes = [spawn("p"), spawn("q")];
+    let mut all = String::new();
+    for (mut child, out, err) in nodes {
+        let status = wait_limit(&mut child, Duration::from_secs(60));
+        let (out, err) = (collect(out), collect(err));
+        assert!(
+            status.success(),
+            "{status:?}\n{out}\n{err}\netcd: {}",
+            etcd.service.log_tail()
+        );
+        all.push_str(&out);
+    }
+    for r in 0..2 {
+        assert!(all.contains(&format!("worker rank {r} of 2")), "{all}");
+    }
+    // `status` reaches it with the same settings.
+    let (code, out, err) = status_of(&ep, "tlsjob", &good, &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["job_state"]["outcome"], "succeeded", "{v}");
+
+    // A client certificate from another CA: the agent fails at once, saying why and where.
+    let other = services::TlsFiles::generate(&tmp.path().join("other-ca")).unwrap();
+    let foreign = tls(&t.ca, &other.client_cert, &other.client_key);
+    let c = shell_agent(
+        tmp.path(),
+        &ep,
+        "tlsjob2",
+        "p",
+        "1:2",
+        &format!(",{foreign}"),
+    );
+    let (status, out, err) = run(c, Duration::from_secs(60));
+    assert_eq!(status.code(), Some(1), "{out}\n{err}");
+    for needle in ["TLS", "client certificate", ep.as_str()] {
+        assert!(err.contains(needle), "stderr lacks {needle:?}: {err}");
+    }
+    assert!(!out.contains("worker rank"), "{out}");
+    // A CA that did not sign etcd's certificate: `status` says so.
+    let wrong_ca = tls(&other.ca, &t.client_cert, &t.client_key);
+    let (code, out, err) = status_of(&ep, "tlsjob", &wrong_ca, &[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    for needle in ["TLS", "server certificate", "cacert", ep.as_str()] {
+        assert!(err.contains(needle), "stderr lacks {needle:?}: {err}");
+    }
+}
+
+#[test]
+fn with_etcd_auth_a_wrong_password_is_refused_unshown_and_a_user_reaches_only_its_job() {
+    let _guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    let etcd = services::etcd().expect("etcd must start");
+    let ep = etcd.host_port();
+    // alice's role reads and writes jobA's keys only (the elastic crate's layout).
+    let prefix_a = elastic::keys::Keys::new("jobA").prefix().to_string();
+    services::etcd_enable_auth(&etcd, "root-pw-1", &[("alice", "alice-pw-2", &prefix_a)]).unwrap();
+    let secrets = ["root-pw-1", "alice-pw-2", "wrong-pw-3"];
+    let no_secret = |what: &str, text: &str| {
+        for s in secrets {
+            assert!(!text.contains(s), "{what} shows a password: {text}");
+        }
+    };
+
+    let mut c = shell_agent(tmp.path(), &ep, "jobA", "a", "1:2", "");
+    c.env("ELASTIC_ETCD_USERNAME", "alice")
+        .env("ELASTIC_ETCD_PASSWORD", "wrong-pw-3");
+    let (status, out, err) = run(c, Duration::from_secs(60));
+    assert_eq!(status.code(), Some(1), "{out}\n{err}");
+    for needle in [
+        "refused user `alice`",
+        "wrong user name or password",
+        ep.as_str(),
+    ] {
+        assert!(err.contains(needle), "stderr lacks {needle:?}: {err}");
+    }
+    no_secret("a refused agent", &format!("{out}{err}"));
+
+    // etcdctl's form of the credentials works as well.
+    let mut c = shell_agent(tmp.path(), &ep, "jobA", "a", "1:2", "");
+    c.env("ETCDCTL_USER", "alice:alice-pw-2");
+    let (status, out, err) = run(c, Duration::from_secs(60));
+    assert!(status.success(), "{status:?}\n{out}\n{err}");
+    assert!(out.contains("worker rank 0 of 1"), "{out}");
+    no_secret("the agent", &format!("{out}{err}"));
+
+    // Another job's keys are out of alice's reach, for the agent and for `status`.
+    let mut c = shell_agent(tmp.path(), &ep, "jobB", "a", "1:2", "");
+    c.env("ETCDCTL_USER", "alice:alice-pw-2");
+    let (status, out, err) = run(c, Duration::from_secs(60));
+    assert_eq!(status.code(), Some(1), "{out}\n{err}");
+    for needle in ["permission denied", "`alice`", "/elastic-run/jobB/"] {
+        assert!(err.contains(needle), "stderr lacks {needle:?}: {err}");
+    }
+    assert!(!out.contains("worker rank"), "{out}");
+    no_secret("the refused job", &format!("{out}{err}"));
+    let alice = [
+        ("ELASTIC_ETCD_USERNAME", "alice"),
+        ("ELASTIC_ETCD_PASSWORD", "alice-pw-2"),
+    ];
+    let (code, out, err) = status_of(&ep, "jobB", "", &alice);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(err.contains("permission denied"), "{err}");
+    no_secret("status", &format!("{out}{err}"));
+    let (code, out, err) = status_of(&ep, "jobA", "", &alice);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["job_state"]["outcome"], "succeeded", "{v}");
 }

@@ -459,11 +459,121 @@ fn a_second_restore_of_a_dense_step_reuses_local_bytes_at_any_world() {
         assert_eq!(md["metadata"]["state"]["extra"]["pos"], 6);
     }
     assert_eq!(ino(0), ino(3));
+    // Another job's store with a step of the same number: the local bytes are not its.
+    let other_tmp = tempfile::tempdir().unwrap();
+    let other = file_backend(other_tmp.path());
+    let e = rt()
+        .block_on(
+            StoreSink::open(&other.url, root.clone(), other.options())
+                .unwrap()
+                .restore(6, 0..2, 2, &c),
+        )
+        .unwrap_err();
+    assert!(matches!(e, SinkError::Restore { step: 6, .. }), "{e}");
     // Proof that the store is really gone: a step not restored before fails, naming it.
     let e = rt().block_on(a.restore(7, 0..1, 1, &c)).unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, SinkError::Restore { step: 7, .. }), "{msg}");
     assert!(msg.contains("step 7") && msg.contains("bucket"), "{msg}");
+}
+
+/// Flips one bit in the first chunk object of `step` under a `file://` bucket.
+fn flip_a_bit(bucket: &Path, step: u64) -> PathBuf {
+    let data = bucket.join(format!("steps/{step:020}/data"));
+    let writer = std::fs::read_dir(&data)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let chunk = writer.join("000000.bin");
+    let mut bytes = std::fs::read(&chunk).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x10;
+    std::fs::write(&chunk, bytes).unwrap();
+    chunk
+}
+
+#[test]
+fn restore_falls_back_when_the_newest_chunk_fails_its_checksum() {
+    let tmp = tempfile::tempdir().unwrap();
+    let backend = file_backend(tmp.path());
+    let a = backend.sink(tmp.path().join("ra"));
+    let b = backend.sink(tmp.path().join("rb"));
+    let c = CancellationToken::new();
+    for step in [2, 4] {
+        let staged = tmp.path().join(format!("staging/step-{step}"));
+        stage_dense(&staged, step);
+        commit_both(&a, &b, &staged, step, &c);
+    }
+    let union = staged_union(&tmp.path().join("staging/step-2"), 4);
+    flip_a_bit(&tmp.path().join("bucket"), 4);
+    // The cheap check (sizes) cannot see a bit flip: step 4 still looks newest.
+    assert_eq!(rt().block_on(a.latest_step(&c)).unwrap(), Some(4));
+    let fresh = backend.sink(tmp.path().join("rc"));
+    let e = rt().block_on(fresh.restore(4, 0..2, 2, &c)).unwrap_err();
+    assert!(e.to_string().contains("crc32c"), "{e}");
+    let (point, skipped) = rt()
+        .block_on(fresh.restore_or_older(4, 0..2, 2, &c))
+        .unwrap();
+    assert_eq!((point.step, skipped), (2, vec![4]));
+    for r in 0..2u32 {
+        let d = point.dir.join(format!("rank-{r}"));
+        assert_eq!(read_tensors(&d.join("state.safetensors")), union);
+        assert_eq!(
+            read_json(&d.join("metadata.json"))["metadata"]["state"]["extra"]["pos"],
+            2
+        );
+    }
+    // An error that says nothing about the data is not a reason to fall back.
+    let cancelled = CancellationToken::new();
+    cancelled.cancel();
+    let e = rt()
+        .block_on(
+            backend
+                .sink(tmp.path().join("rd"))
+                .restore_or_older(4, 0..1, 1, &cancelled),
+        )
+        .unwrap_err();
+    assert!(e.is_cancelled(), "{e}");
+}
+
+#[test]
+fn a_step_a_rank_gave_up_ends_every_nodes_commit_wait_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let backend = file_backend(tmp.path());
+    let staged = tmp.path().join("staging/step-9");
+    stage_dense(&staged, 9);
+    let opts = SinkOptions {
+        commit_wait_ms: 120_000,
+        retry_pause_ms: 50,
+        ..Default::default()
+    };
+    let a = StoreSink::open(&backend.url, tmp.path().join("ra"), opts).unwrap();
+    let c = CancellationToken::new();
+    rt().block_on(async {
+        // Node b's rank 3 could not stage step 9 (its staging disk is full) and says so.
+        let store = backend.store();
+        let t = Instant::now();
+        let gave_up = async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            store
+                .abandon_part(9, "g1-rank-3", "staging full", &c)
+                .await
+                .unwrap();
+        };
+        let (r, ()) = tokio::join!(a.commit(to_commit(&staged, 9, 0..2, "a"), &c), gave_up);
+        let e = r.unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            matches!(&e, SinkError::Commit { source, .. } if matches!(**source, checkpoint::Error::Abandoned { .. })),
+            "{msg}"
+        );
+        assert!(msg.contains("g1-rank-3") && msg.contains("staging full"), "{msg}");
+        // Well before the 120 s commit deadline: the marker, not the clock, ended the wait.
+        assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
+        assert_eq!(a.latest_step(&c).await.unwrap(), None);
+    });
 }
 
 #[test]
