@@ -1,0 +1,765 @@
+//! The agent's configuration from the command line.
+
+use anyhow::{Result, bail};
+use elastic::RendezvousConfig;
+
+use crate::cli::{Cli, IndivisibleBatch, NProc, RdzvBackend};
+use crate::scaling::ScalingConfig;
+
+/// A configuration the user must change: reported like a bad flag (exit 2).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+pub(super) fn usage(msg: impl Into<String>) -> anyhow::Error {
+    UsageError(msg.into()).into()
+}
+
+/// How this node learns its generations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Standalone,
+    Static,
+    Etcd,
+}
+
+impl Mode {
+    pub fn of(cli: &Cli) -> Result<Mode> {
+        if is_standalone(cli) {
+            return Ok(Mode::Standalone);
+        }
+        match cli.rdzv_backend {
+            RdzvBackend::Static => {
+                if cli.nnodes.min != cli.nnodes.max {
+                    return Err(usage(format!(
+                        "--nnodes {}:{} needs an elastic backend: add --rdzv-backend etcd-v3 \
+                         --rdzv-endpoint HOST:PORT (static rendezvous takes a fixed --nnodes N)",
+                        cli.nnodes.min, cli.nnodes.max
+                    )));
+                }
+                if cli.node_rank >= cli.nnodes.max {
+                    return Err(usage(format!(
+                        "--node-rank {} is not below --nnodes {}",
+                        cli.node_rank, cli.nnodes.max
+                    )));
+                }
+                Ok(Mode::Static)
+            }
+            RdzvBackend::EtcdV3 => {
+                if cli.rdzv_endpoint.trim().is_empty() {
+                    return Err(usage(
+                        "--rdzv-backend etcd-v3 needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]",
+                    ));
+                }
+                Ok(Mode::Etcd)
+            }
+        }
+    }
+}
+
+/// The job's scaling configuration from the command line.
+pub fn scaling_config(cli: &Cli, nproc: u32) -> ScalingConfig {
+    ScalingConfig {
+        policy: cli.lr_scaling,
+        base_world_size: cli
+            .base_world_size
+            .unwrap_or(nproc.saturating_mul(cli.nnodes.max)),
+        batch_size: cli.batch_size,
+        global_batch: cli.global_batch,
+        base_lr: cli.base_lr,
+        warmup_steps: cli.warmup_steps,
+        on_indivisible: match cli.indivisible_batch {
+            IndivisibleBatch::Nearest => elastic::OnIndivisible::Nearest,
+            IndivisibleBatch::Refuse => elastic::OnIndivisible::Refuse,
+        },
+    }
+}
+
+/// Reads `--rdzv-conf` into the rendezvous configuration. Keys: `lease_ttl_ms`, `settle_ms`,
+/// `join_policy` (`immediate`, `after_commit`, `waiting:K`), `below_min_timeout_ms`,
+/// `fence_margin_ms`, `request_timeout_ms`; torchrun's `join_timeout` and `timeout` (seconds:
+/// how long the job may stay below `min`) and `last_call_timeout` (seconds: the settle
+/// window) are honoured too, and its `read_timeout`, `keep_alive_interval`,
+/// `keep_alive_max_attempt`, `is_host` are accepted and ignored. How to reach etcd (`protocol`,
+/// `cacert`, `cert`, `key`, and the user from the environment) is [`etcd_connect`]'s.
+pub fn rendezvous_config(
+    cli: &Cli,
+    node_id: &str,
+    nproc: u32,
+    scaling: &ScalingConfig,
+) -> Result<RendezvousConfig> {
+    let policy = scaling.to_policy().map_err(|e| usage(e.to_string()))?;
+    let endpoints = split_endpoints(&cli.rdzv_endpoint);
+    let addr = cli.local_addr.clone().unwrap_or_else(default_local_addr);
+    let mut cfg = RendezvousConfig::new(
+        endpoints,
+        cli.rdzv_id.clone(),
+        node_id.to_string(),
+        addr,
+        cli.nnodes.min,
+        cli.nnodes.max,
+        policy,
+    );
+    cfg.nproc = nproc;
+    cfg.master_port = cli.master_port;
+    cfg.connect = etcd_connect(&cli.rdzv_endpoint, &cli.rdzv_conf)?;
+    for (k, v) in &cli.rdzv_conf.0 {
+        let ms = |v: &str| -> Result<u64> {
+            v.parse::<u64>()
+                .map_err(|_| usage(format!("--rdzv-conf {k}={v}: not a number of milliseconds")))
+        };
+        let secs = |v: &str| -> Result<u64> {
+            v.parse::<f64>()
+                .ok()
+                .filter(|s| s.is_finite() && *s >= 0.0 && *s < 1e9)
+                .map(|s| (s * 1000.0) as u64)
+                .ok_or_else(|| usage(format!("--rdzv-conf {k}={v}: not a number of seconds")))
+        };
+        match k.as_str() {
+            "lease_ttl_ms" => cfg.lease_ttl_ms = ms(v)?,
+            "settle_ms" => cfg.settle_ms = ms(v)?,
+            "last_call_timeout" => cfg.settle_ms = secs(v)?,
+            "below_min_timeout_ms" => cfg.below_min_timeout_ms = ms(v)?,
+            "join_timeout" | "timeout" => cfg.below_min_timeout_ms = secs(v)?,
+            "fence_margin_ms" => cfg.fence_margin_ms = Some(ms(v)?),
+            k if RDZV_CONF_CONNECT_KEYS.contains(&k) => {}
+            "join_policy" => {
+                cfg.join_policy = match v.as_str() {
+                    "immediate" => elastic::JoinPolicy::Immediate,
+                    "after_commit" | "after-commit" => elastic::JoinPolicy::AfterCommit,
+                    w => match w.strip_prefix("waiting:").map(str::parse::<u32>) {
+                        Some(Ok(k)) if k >= 1 => elastic::JoinPolicy::Waiting(k),
+                        _ => {
+                            return Err(usage(format!(
+                                "--rdzv-conf join_policy={v}: use immediate, after_commit or \
+                                 waiting:K (K >= 1)"
+                            )));
+                        }
+                    },
+                }
+            }
+            k if RDZV_CONF_IGNORED_KEYS.contains(&k) => {}
+            other => return Err(unknown_rdzv_conf_key(other)),
+        }
+    }
+    cfg.validate()
+        .map_err(|e| usage(format!("--rdzv-conf / --nnodes: {e}")))?;
+    Ok(cfg)
+}
+
+/// `--rdzv-conf` keys that say how to reach etcd (torchrun's etcd backend's names, and the
+/// request bound), read by [`etcd_connect`].
+pub const RDZV_CONF_CONNECT_KEYS: &[&str] =
+    &["protocol", "cacert", "cert", "key", "request_timeout_ms"];
+/// Every `--rdzv-conf` key the agent reads.
+pub const RDZV_CONF_KEYS: &[&str] = &[
+    "lease_ttl_ms",
+    "settle_ms",
+    "join_policy",
+    "below_min_timeout_ms",
+    "fence_margin_ms",
+    "request_timeout_ms",
+    "join_timeout",
+    "timeout",
+    "last_call_timeout",
+    "protocol",
+    "cacert",
+    "cert",
+    "key",
+];
+/// torchrun's `--rdzv-conf` keys that are accepted and ignored.
+pub const RDZV_CONF_IGNORED_KEYS: &[&str] = &[
+    "read_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "is_host",
+];
+
+/// The usage error for an `--rdzv-conf` key nobody reads.
+pub fn unknown_rdzv_conf_key(key: &str) -> anyhow::Error {
+    usage(format!(
+        "--rdzv-conf: unknown key `{key}` (known: {})",
+        RDZV_CONF_KEYS.join(", ")
+    ))
+}
+
+/// etcd's user name and password (for a cluster with auth on); both or neither.
+pub const ETCD_USERNAME_ENV: &str = "ELASTIC_ETCD_USERNAME";
+pub const ETCD_PASSWORD_ENV: &str = "ELASTIC_ETCD_PASSWORD";
+/// etcdctl's spelling, read when the two above are unset: `user:password`, or `user` with the
+/// password in [`ETCDCTL_PASSWORD_ENV`].
+pub const ETCDCTL_USER_ENV: &str = "ETCDCTL_USER";
+pub const ETCDCTL_PASSWORD_ENV: &str = "ETCDCTL_PASSWORD";
+/// Largest PEM file read for `cacert`, `cert` or `key`.
+pub(super) const PEM_BYTES_MAX: u64 = 1 << 20;
+
+/// How to reach etcd: the `--rdzv-endpoint` list and the `--rdzv-conf` keys torchrun's etcd
+/// backend uses, `protocol` (`http`, `https`), `cacert` (the CA that signed etcd's server
+/// certificate; needed for https, the system roots are not used), `cert` and `key` (this
+/// node's client certificate, for `--client-cert-auth` clusters), plus `request_timeout_ms`.
+/// `https://` endpoints, or any of the files, mean TLS too. The user and password come from
+/// the environment only ([`ETCD_USERNAME_ENV`] and [`ETCD_PASSWORD_ENV`], else
+/// [`ETCDCTL_USER_ENV`]), so they never sit on a command line, and are never printed.
+/// Files are read here: a missing or malformed one is a usage error before anything starts.
+pub fn etcd_connect(
+    endpoints: &str,
+    conf: &crate::cli::RdzvConf,
+) -> Result<elastic::etcd::Connect> {
+    etcd_connect_from(endpoints, conf, |k| std::env::var(k).ok())
+}
+
+pub(super) fn etcd_connect_from(
+    endpoints: &str,
+    conf: &crate::cli::RdzvConf,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<elastic::etcd::Connect> {
+    let endpoints = split_endpoints(endpoints);
+    let mut connect = elastic::etcd::Connect::new(endpoints.iter().cloned());
+    if let Some(v) = conf.get("request_timeout_ms") {
+        connect.request_timeout_ms = v
+            .parse::<u64>()
+            .map_err(|_| {
+                usage(format!(
+                    "--rdzv-conf request_timeout_ms={v}: not a number of milliseconds"
+                ))
+            })?
+            .max(1);
+    }
+    let https_endpoint = endpoints.iter().any(|e| e.starts_with("https://"));
+    for e in &endpoints {
+        if let Some((scheme, _)) = e.split_once("://")
+            && scheme != "http"
+            && scheme != "https"
+        {
+            return Err(usage(format!(
+                "--rdzv-endpoint {e}: use HOST:PORT, http://HOST:PORT or https://HOST:PORT"
+            )));
+        }
+    }
+    let files = ["cacert", "cert", "key"].map(|k| conf.get(k).filter(|p| !p.is_empty()));
+    let tls = match conf.get("protocol") {
+        Some("https") => true,
+        Some("http") => {
+            if let Some(k) = ["cacert", "cert", "key"]
+                .iter()
+                .zip(&files)
+                .find_map(|(k, f)| f.map(|_| *k))
+            {
+                return Err(usage(format!(
+                    "--rdzv-conf {k} is for TLS, but protocol=http: use protocol=https"
+                )));
+            }
+            if https_endpoint {
+                return Err(usage(
+                    "--rdzv-conf protocol=http, but --rdzv-endpoint names https:// endpoints",
+                ));
+            }
+            false
+        }
+        Some(p) => {
+            return Err(usage(format!(
+                "--rdzv-conf protocol={p}: use http or https"
+            )));
+        }
+        None => https_endpoint || files.iter().any(Option::is_some),
+    };
+    if tls {
+        if let Some(e) = endpoints.iter().find(|e| e.starts_with("http://")) {
+            return Err(usage(format!(
+                "--rdzv-endpoint {e} is plain http, but TLS is configured (protocol=https, \
+                 cacert, cert or key): use https:// or HOST:PORT"
+            )));
+        }
+        let [ca, cert, key] = files;
+        let Some(ca) = ca else {
+            return Err(usage(
+                "--rdzv-conf protocol=https needs cacert=PATH: the CA certificate that signed \
+                 etcd's server certificate (the system roots are not used)",
+            ));
+        };
+        if cert.is_some() != key.is_some() {
+            return Err(usage(
+                "--rdzv-conf cert=PATH and key=PATH (the client certificate and its private \
+                 key) go together",
+            ));
+        }
+        connect.tls = Some(elastic::etcd::Tls {
+            ca_pem: Some(read_pem("cacert", ca)?),
+            client_cert_pem: cert.map(|p| read_pem("cert", p)).transpose()?,
+            client_key_pem: key.map(|p| read_pem("key", p)).transpose()?,
+            domain: None,
+        });
+    }
+    connect.auth = etcd_auth_from_env(&env)?;
+    Ok(connect)
+}
+
+/// `e` from reaching etcd for `job`, with what it means in this node's settings when it is
+/// about TLS, the user and password, or the user's permissions. Names the endpoints and the
+/// user, never the password (etcd's own messages do not hold it either).
+pub fn explain_etcd_error(
+    e: elastic::Error,
+    connect: &elastic::etcd::Connect,
+    job: &str,
+) -> anyhow::Error {
+    let text = e.to_string();
+    let at = connect.endpoints.join(",");
+    let user = connect.auth.as_ref().map(|a| a.user.as_str());
+    let client_cert = connect
+        .tls
+        .as_ref()
+        .is_some_and(|t| t.client_cert_pem.is_some());
+    let hint = if text.contains("invalid peer certificate") {
+        Some(format!(
+            "TLS: the server certificate of etcd at {at} does not verify against --rdzv-conf \
+             cacert (it must be the CA that signed etcd's --cert-file, and name this host)"
+        ))
+    } else if text.contains("received fatal alert") && text.contains("Certificate") {
+        Some(if client_cert {
+            format!(
+                "TLS: etcd at {at} refused this node's client certificate (--rdzv-conf \
+                 cert/key): it must be signed by a CA etcd trusts (--trusted-ca-file)"
+            )
+        } else {
+            format!(
+                "TLS: etcd at {at} wants a client certificate: add --rdzv-conf \
+                 cert=PATH,key=PATH"
+            )
+        })
+    } else if text.contains("received fatal alert") || text.contains("tls handshake") {
+        Some(format!("TLS: the handshake with etcd at {at} failed"))
+    } else if text.contains("authentication failed") {
+        Some(format!(
+            "etcd at {at} refused user `{}`: wrong user name or password (from \
+             {ETCD_USERNAME_ENV}/{ETCD_PASSWORD_ENV} or {ETCDCTL_USER_ENV})",
+            user.unwrap_or("")
+        ))
+    } else if text.contains("user name is empty") {
+        Some(format!(
+            "etcd at {at} has authentication on: set {ETCD_USERNAME_ENV} and \
+             {ETCD_PASSWORD_ENV} (or {ETCDCTL_USER_ENV}=user:password)"
+        ))
+    } else if text.contains("permission denied") {
+        Some(format!(
+            "etcd at {at}: user `{}` may not use job {job}'s keys: its role needs readwrite \
+             on the prefix {} (etcdctl role grant-permission ROLE --prefix=true readwrite {})",
+            user.unwrap_or(""),
+            elastic::keys::Keys::new(job).prefix(),
+            elastic::keys::Keys::new(job).prefix()
+        ))
+    } else if connect.tls.is_none() && (text.contains("broken pipe") || text.contains("reset")) {
+        Some(format!(
+            "etcd at {at} closed the connection: if it serves TLS, set --rdzv-conf \
+             protocol=https,cacert=PATH"
+        ))
+    } else {
+        None
+    };
+    match hint {
+        Some(h) => anyhow::Error::new(e).context(h),
+        None => anyhow::Error::new(e),
+    }
+}
+
+/// Reads one PEM file named by `--rdzv-conf KEY=PATH`, bounded; its contents never appear in
+/// errors.
+pub(super) fn read_pem(key: &str, path: &str) -> Result<Vec<u8>> {
+    let bad = |why: String| usage(format!("--rdzv-conf {key}={path}: {why}"));
+    let f = std::fs::File::open(path).map_err(|e| bad(format!("cannot open it: {e}")))?;
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(f, PEM_BYTES_MAX + 1), &mut bytes)
+        .map_err(|e| bad(format!("cannot read it: {e}")))?;
+    if bytes.len() as u64 > PEM_BYTES_MAX {
+        return Err(bad(format!("larger than {PEM_BYTES_MAX} bytes")));
+    }
+    if !bytes.windows(11).any(|w| w == b"-----BEGIN ") {
+        return Err(bad("not a PEM file (no -----BEGIN line)".into()));
+    }
+    Ok(bytes)
+}
+
+/// etcd's user and password from the environment (see [`etcd_connect`]).
+pub(super) fn etcd_auth_from_env(
+    env: &impl Fn(&str) -> Option<String>,
+) -> Result<Option<elastic::etcd::Auth>> {
+    let nonempty = |k: &str| env(k).filter(|v| !v.is_empty());
+    match (nonempty(ETCD_USERNAME_ENV), env(ETCD_PASSWORD_ENV)) {
+        (Some(user), Some(password)) => {
+            return Ok(Some(elastic::etcd::Auth { user, password }));
+        }
+        (Some(_), None) => {
+            return Err(usage(format!(
+                "{ETCD_USERNAME_ENV} is set but {ETCD_PASSWORD_ENV} is not"
+            )));
+        }
+        (None, Some(_)) => {
+            return Err(usage(format!(
+                "{ETCD_PASSWORD_ENV} is set but {ETCD_USERNAME_ENV} is not"
+            )));
+        }
+        (None, None) => {}
+    }
+    let Some(v) = nonempty(ETCDCTL_USER_ENV) else {
+        return Ok(None);
+    };
+    let (user, password) = match v.split_once(':') {
+        Some((u, p)) => (u.to_string(), p.to_string()),
+        None => match env(ETCDCTL_PASSWORD_ENV) {
+            Some(p) => (v.clone(), p),
+            None => {
+                return Err(usage(format!(
+                    "{ETCDCTL_USER_ENV} names a user without a password: use user:password, \
+                     or set {ETCDCTL_PASSWORD_ENV}"
+                )));
+            }
+        },
+    };
+    if user.is_empty() {
+        return Err(usage(format!("{ETCDCTL_USER_ENV} has an empty user name")));
+    }
+    Ok(Some(elastic::etcd::Auth { user, password }))
+}
+
+#[cfg(test)]
+mod etcd_connect_tests {
+    use super::*;
+    use crate::cli::RdzvConf;
+
+    fn conf(pairs: &[(&str, &str)]) -> RdzvConf {
+        RdzvConf(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+
+    fn env_of(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
+        let vars: Vec<(String, String)> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    }
+
+    fn err(r: Result<elastic::etcd::Connect>) -> String {
+        let e = r.expect_err("should fail");
+        assert!(e.downcast_ref::<UsageError>().is_some(), "{e:#}");
+        format!("{e:#}")
+    }
+
+    #[test]
+    fn torchrun_tls_keys_read_the_pem_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let pem = |name: &str, body: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(
+                &p,
+                format!("-----BEGIN {body}-----\nAAAA\n-----END {body}-----\n"),
+            )
+            .unwrap();
+            p.display().to_string()
+        };
+        let (ca, cert, key) = (
+            pem("ca.pem", "CERTIFICATE"),
+            pem("c.pem", "CERTIFICATE"),
+            pem("c.key", "PRIVATE KEY"),
+        );
+        let none = env_of(&[]);
+        let full = [
+            ("protocol", "https"),
+            ("cacert", ca.as_str()),
+            ("cert", cert.as_str()),
+            ("key", key.as_str()),
+            ("request_timeout_ms", "1500"),
+        ];
+        let c = etcd_connect_from("h1:2379,h2:2379", &conf(&full), &none).unwrap();
+        assert_eq!(c.endpoints, ["h1:2379", "h2:2379"]);
+        assert_eq!(c.request_timeout_ms, 1500);
+        let tls = c.tls.as_ref().expect("tls");
+        assert!(
+            tls.ca_pem
+                .as_ref()
+                .unwrap()
+                .starts_with(b"-----BEGIN CERTIFICATE")
+        );
+        assert!(
+            tls.client_key_pem
+                .as_ref()
+                .unwrap()
+                .starts_with(b"-----BEGIN PRIVATE KEY")
+        );
+        assert!(c.auth.is_none());
+        assert!(!format!("{c:?}").contains("AAAA"), "{c:?}");
+        // The files alone, or an https:// endpoint, mean TLS too; plain http stays plain.
+        let c = etcd_connect_from("h:1", &conf(&[("cacert", ca.as_str())]), &none).unwrap();
+        assert!(c.tls.as_ref().unwrap().client_cert_pem.is_none());
+        let c = etcd_connect_from("https://h:1", &conf(&[("cacert", &ca)]), &none).unwrap();
+        assert!(c.tls.is_some());
+        let c = etcd_connect_from("h:1", &conf(&[("protocol", "http")]), &none).unwrap();
+        assert!(c.tls.is_none());
+
+        for (ep, pairs, needle) in [
+            ("h:1", &[("protocol", "https")][..], "needs cacert"),
+            (
+                "h:1",
+                &[("protocol", "http"), ("cacert", &ca)],
+                "protocol=http",
+            ),
+            ("https://h:1", &[("protocol", "http")], "https://"),
+            ("http://h:1", &[("cacert", ca.as_str())], "plain http"),
+            ("h:1", &[("protocol", "tls")], "protocol=tls"),
+            ("h:1", &[("cacert", &ca), ("cert", &cert)], "go together"),
+            (
+                "h:1",
+                &[("cacert", "/nonexistent/ca.pem")],
+                "cacert=/nonexistent/ca.pem",
+            ),
+            (
+                "h:1",
+                &[("cacert", &ca), ("key", "/dev/null"), ("cert", &cert)],
+                "not a PEM",
+            ),
+            ("ftp://h:1", &[], "--rdzv-endpoint ftp://h:1"),
+            (
+                "h:1",
+                &[("request_timeout_ms", "soon")],
+                "request_timeout_ms=soon",
+            ),
+        ] {
+            let msg = err(etcd_connect_from(ep, &conf(pairs), &none));
+            assert!(msg.contains(needle), "{pairs:?}: {msg}");
+        }
+    }
+
+    #[test]
+    fn user_and_password_come_from_the_environment_and_are_never_shown() {
+        let auth = |vars: &[(&str, &str)]| {
+            etcd_connect_from("h:1", &conf(&[]), env_of(vars)).map(|c| {
+                let shown = format!("{c:?}");
+                assert!(!shown.contains("pw-secret"), "{shown}");
+                c.auth.map(|a| (a.user, a.password))
+            })
+        };
+        let pair = |u: &str, p: &str| Some((u.to_string(), p.to_string()));
+        assert_eq!(auth(&[]).unwrap(), None);
+        assert_eq!(
+            auth(&[
+                (ETCD_USERNAME_ENV, "alice"),
+                (ETCD_PASSWORD_ENV, "pw-secret")
+            ])
+            .unwrap(),
+            pair("alice", "pw-secret")
+        );
+        assert_eq!(
+            auth(&[(ETCDCTL_USER_ENV, "bob:pw-secret:with-colon")]).unwrap(),
+            pair("bob", "pw-secret:with-colon")
+        );
+        assert_eq!(
+            auth(&[
+                (ETCDCTL_USER_ENV, "bob"),
+                (ETCDCTL_PASSWORD_ENV, "pw-secret")
+            ])
+            .unwrap(),
+            pair("bob", "pw-secret")
+        );
+        // elastic-run's own variables win over etcdctl's.
+        assert_eq!(
+            auth(&[
+                (ETCD_USERNAME_ENV, "alice"),
+                (ETCD_PASSWORD_ENV, "pw-secret"),
+                (ETCDCTL_USER_ENV, "bob:other"),
+            ])
+            .unwrap(),
+            pair("alice", "pw-secret")
+        );
+        for (vars, needle) in [
+            (&[(ETCD_USERNAME_ENV, "alice")][..], ETCD_PASSWORD_ENV),
+            (&[(ETCD_PASSWORD_ENV, "pw-secret")], ETCD_USERNAME_ENV),
+            (&[(ETCDCTL_USER_ENV, "bob")], ETCDCTL_PASSWORD_ENV),
+            (&[(ETCDCTL_USER_ENV, ":pw-secret")], "empty user name"),
+        ] {
+            let msg = err(etcd_connect_from("h:1", &conf(&[]), env_of(vars)));
+            assert!(msg.contains(needle), "{vars:?}: {msg}");
+            assert!(!msg.contains("pw-secret"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn rendezvous_conf_still_refuses_unknown_keys_by_name() {
+        let cli = |rdzv_conf: &str| {
+            Cli::try_parse_from([
+                "elastic-run",
+                "--rdzv-backend",
+                "etcd-v3",
+                "--rdzv-endpoint",
+                "h:2379",
+                "--nnodes",
+                "1:2",
+                "--rdzv-conf",
+                rdzv_conf,
+                "x.py",
+            ])
+            .unwrap()
+        };
+        use clap::Parser;
+        let c = cli("protocol=http,lease_ttl_ms=2000,request_timeout_ms=900");
+        let cfg = rendezvous_config(&c, "n", 1, &scaling_config(&c, 1)).unwrap();
+        assert_eq!(cfg.connect.request_timeout_ms, 900);
+        assert_eq!(cfg.lease_ttl_ms, 2000);
+        assert!(cfg.connect.tls.is_none());
+        let c = cli("protocol=http,certfile=/x");
+        let e = rendezvous_config(&c, "n", 1, &scaling_config(&c, 1)).unwrap_err();
+        assert!(e.downcast_ref::<UsageError>().is_some());
+        let msg = e.to_string();
+        assert!(
+            msg.contains("unknown key `certfile`") && msg.contains("cacert"),
+            "{msg}"
+        );
+    }
+}
+
+/// Standalone when asked, or when one node runs with no rendezvous endpoint (torchrun's rule).
+pub fn is_standalone(cli: &Cli) -> bool {
+    cli.standalone || (cli.nnodes.max == 1 && cli.rdzv_endpoint.is_empty())
+}
+
+/// `--rdzv-endpoint`'s comma-separated list, blanks dropped.
+pub fn split_endpoints(list: &str) -> Vec<String> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// This host's name when it resolves to an address, else the loopback address.
+pub(super) fn default_local_addr() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let host = host.trim();
+    if !host.is_empty()
+        && std::net::ToSocketAddrs::to_socket_addrs(&(host, 0))
+            .is_ok_and(|mut a| a.next().is_some())
+    {
+        host.to_string()
+    } else {
+        "127.0.0.1".to_string()
+    }
+}
+
+/// The worker command line, torchrun-style: a `*.py` script (or `--run-path`) runs under
+/// `python -u`, `-m` runs a module, `--no-python` and any other program run as given.
+pub fn worker_argv(cli: &Cli) -> Result<Vec<String>> {
+    let cmd = &cli.cmd;
+    let Some(first) = cmd.first() else {
+        bail!(UsageError("no training command given".into()))
+    };
+    let py = |extra: &[&str]| -> Vec<String> {
+        let mut v = vec![cli.python.clone(), "-u".to_string()];
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v.extend(cmd.iter().cloned());
+        v
+    };
+    Ok(if cli.no_python {
+        cmd.clone()
+    } else if cli.module {
+        py(&["-m"])
+    } else if cli.run_path || first.ends_with(".py") {
+        py(&[])
+    } else {
+        cmd.clone()
+    })
+}
+
+pub(super) fn resolve_nproc(n: NProc) -> Result<u32> {
+    let cpus = || {
+        std::thread::available_parallelism()
+            .map(|n| n.get() as u32)
+            .unwrap_or(1)
+    };
+    let gpus = visible_gpus();
+    let n = match n {
+        NProc::Count(n) => n,
+        NProc::Cpu => cpus(),
+        NProc::Auto if gpus > 0 => gpus,
+        NProc::Auto => cpus(),
+        NProc::Gpu if gpus > 0 => gpus,
+        NProc::Gpu => bail!(UsageError("--nproc-per-node gpu: no GPU is visible".into())),
+    };
+    Ok(n.min(crate::cli::NPROC_PER_NODE_MAX))
+}
+
+/// GPUs the workers could use: `CUDA_VISIBLE_DEVICES` when set, else the NVIDIA driver's list.
+pub(super) fn visible_gpus() -> u32 {
+    if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
+        return v
+            .split(',')
+            .filter(|s| !s.trim().is_empty() && s.trim() != "-1")
+            .count() as u32;
+    }
+    std::fs::read_dir("/proc/driver/nvidia/gpus")
+        .map(|d| d.count() as u32)
+        .unwrap_or(0)
+}
+
+pub(super) fn default_node_id() -> String {
+    let host =
+        std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "node".into());
+    format!("{}-{}", host.trim(), std::process::id())
+}
+
+pub(super) fn free_port() -> std::io::Result<u16> {
+    // The port is free now; the workers bind it moments later (torchrun does the same).
+    Ok(std::net::TcpListener::bind(("127.0.0.1", 0))?
+        .local_addr()?
+        .port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn cli(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("elastic-run").chain(args.iter().copied())).unwrap()
+    }
+
+    #[test]
+    fn scripts_run_under_python_and_programs_run_as_given() {
+        let argv = |a: &[&str]| worker_argv(&cli(a)).unwrap();
+        assert_eq!(
+            argv(&["train.py", "--lr", "1"]),
+            ["python3", "-u", "train.py", "--lr", "1"]
+        );
+        assert_eq!(argv(&["--", "python", "train.py"]), ["python", "train.py"]);
+        assert_eq!(
+            argv(&["-m", "pkg.train", "x"]),
+            ["python3", "-u", "-m", "pkg.train", "x"]
+        );
+        assert_eq!(argv(&["--no-python", "train.py"]), ["train.py"]);
+        assert_eq!(
+            argv(&["--run-path", "--python", "/v/py", "script"]),
+            ["/v/py", "-u", "script"]
+        );
+    }
+
+    #[test]
+    fn standalone_follows_torchrun_rules() {
+        assert!(is_standalone(&cli(&["x.py"])));
+        assert!(is_standalone(&cli(&["--nnodes", "1", "x.py"])));
+        assert!(is_standalone(&cli(&[
+            "--standalone",
+            "--nnodes",
+            "2",
+            "x.py"
+        ])));
+        assert!(!is_standalone(&cli(&["--nnodes", "1:4", "x.py"])));
+        assert!(!is_standalone(&cli(&[
+            "--nnodes",
+            "1",
+            "--rdzv-endpoint",
+            "h:1",
+            "x.py"
+        ])));
+    }
+}

@@ -1,0 +1,57 @@
+//! Drains.
+
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+
+use super::Node;
+use super::membership::Membership;
+use crate::supervisor::Command;
+
+/// Part of `--preemption-grace` kept back for SIGTERM → SIGKILL at the end of a drain.
+pub(super) const DRAIN_KILL_WINDOW_MAX_MS: u64 = 5_000;
+
+/// A drain in progress.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Drain {
+    pub(super) started: Instant,
+    /// This node leaves (signal, notice), rather than a peer.
+    pub(super) local: bool,
+}
+
+/// Starts a drain: `local` when this node leaves (announced to peers first), else a peer's.
+pub(super) async fn start_drain(
+    node: &Node,
+    membership: &Membership,
+    cmds: &mpsc::Sender<Command>,
+    local: bool,
+) -> Drain {
+    let now = Instant::now();
+    if local
+        && let Membership::Etcd(m) = membership
+        && let Some(h) = &m.handle
+        && let Err(e) = h.request_drain().await
+    {
+        tracing::warn!(error = %e, "cannot announce the drain to peers");
+    }
+    node.state.request_stop();
+    node.state
+        .metrics
+        .drains_total
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let grace = node.grace;
+    let kill_window = (grace / 4).min(Duration::from_millis(DRAIN_KILL_WINDOW_MAX_MS));
+    // Workers that never spoke the protocol cannot hear `should_stop`: they get SIGTERM now,
+    // as torchrun would forward it.
+    let sigterm_now = !node.state.client_seen();
+    let _ = cmds
+        .send(Command::Drain {
+            deadline: now + grace.saturating_sub(kill_window),
+            sigterm_now,
+        })
+        .await;
+    Drain {
+        started: now,
+        local,
+    }
+}

@@ -1,0 +1,377 @@
+//! The commit pipeline.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use checkpoint::CancellationToken;
+use serde_json::json;
+use tokio::sync::{mpsc, watch};
+use tracing::Instrument;
+
+use super::Node;
+use super::dirs::remove_inside_staging;
+use crate::agent_socket::{AgentState, Received, StagedPart};
+use crate::checkpoint_sink::StepTracker;
+use crate::events::Events;
+use crate::store_sink::{StepToCommit, StoreSink};
+use crate::worker_env::GenerationView;
+
+/// Complete steps queued for the committer besides the one it is committing. With one more
+/// complete step held by the agent loop and one step's parts in the socket channel (capacity:
+/// this node's ranks), at most four checkpoints are staged and uncommitted; a worker saving a
+/// fifth waits on its `saved` reply. That bounds both staging space and the work a crash can
+/// lose while the store is slow.
+pub(super) const COMMIT_QUEUE_MAX: usize = 1;
+/// Snapshots of this node that may stand in staging at once: the four uncommitted ones above
+/// and the one being written. Staging smaller than that many checkpoints is reported at the
+/// first one; when it fills, a worker skips its snapshot and the step is given up.
+pub(super) const STAGED_CHECKPOINTS_MAX: u64 = 5;
+/// How long pending commits may take between two generations before they are cancelled (a
+/// step a lost peer never uploaded cannot complete).
+pub(super) const BETWEEN_GENERATIONS_FLUSH_MS: u64 = 3_000;
+/// Bound on writing a given-up checkpoint's marker to the store.
+pub(super) const GIVE_UP_DEADLINE_MS: u64 = 30_000;
+
+/// The committer's side of the agent: a queue and the newest committed step.
+pub(super) struct Committer {
+    pub(super) tx: mpsc::Sender<(StepToCommit, CancellationToken)>,
+    /// Steps queued or in flight.
+    pub(super) pending: watch::Receiver<usize>,
+    pub(super) pending_tx: Arc<watch::Sender<usize>>,
+    /// Cancels the commits of the current era (between two generations).
+    pub(super) era: CancellationToken,
+    pub(super) committed: watch::Receiver<Option<u64>>,
+    pub(super) task: tokio::task::JoinHandle<bool>,
+}
+
+impl Committer {
+    pub(super) fn start(node: &Node, latest: Option<u64>) -> Self {
+        let (tx, rx) = mpsc::channel(COMMIT_QUEUE_MAX);
+        let (pending_tx, pending) = watch::channel(0usize);
+        let pending_tx = Arc::new(pending_tx);
+        let (committed_tx, committed) = watch::channel(latest);
+        let task = tokio::spawn(
+            commit_loop(
+                node.sink.clone(),
+                rx,
+                node.state.clone(),
+                node.spec.staging_dir.clone(),
+                node.events.clone(),
+                committed_tx,
+                pending_tx.clone(),
+            )
+            .in_current_span(),
+        );
+        Committer {
+            tx,
+            pending,
+            pending_tx,
+            era: CancellationToken::new(),
+            committed,
+            task,
+        }
+    }
+
+    /// Queues a step without waiting (the agent loop must never block on a slow store), or
+    /// gives it back when the queue is full: the loop holds it until a permit comes.
+    pub(super) fn try_submit(&self, step: StepToCommit) -> Result<(), StepToCommit> {
+        // Counted before the send: the committer may finish it (and count it down) at once.
+        self.pending_tx.send_modify(|n| *n += 1);
+        let r = self.tx.try_send((step, self.era.clone()));
+        if r.is_err() {
+            self.pending_tx.send_modify(|n| *n = n.saturating_sub(1));
+        }
+        match r {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full((step, _))) => Err(step),
+            Err(mpsc::error::TrySendError::Closed((step, _))) => {
+                tracing::warn!(
+                    step = step.step,
+                    "checkpoint queue closed; this step is not committed"
+                );
+                Ok(())
+            }
+        }
+    }
+
+    /// Queues a step into the room `permit` holds.
+    pub(super) fn submit_with(
+        &self,
+        permit: mpsc::OwnedPermit<(StepToCommit, CancellationToken)>,
+        step: StepToCommit,
+    ) {
+        self.pending_tx.send_modify(|n| *n += 1);
+        permit.send((step, self.era.clone()));
+    }
+
+    /// Queues a step, waiting for room until `deadline` (after a worker group ended, when the
+    /// loop has nothing else to serve); a step that still finds no room is dropped with a
+    /// warning.
+    pub(super) async fn submit_until(&self, step: StepToCommit, deadline: Instant) {
+        let s = step.step;
+        self.pending_tx.send_modify(|n| *n += 1);
+        let sent =
+            tokio::time::timeout_at(deadline.into(), self.tx.send((step, self.era.clone()))).await;
+        if !matches!(sent, Ok(Ok(()))) {
+            self.pending_tx.send_modify(|n| *n = n.saturating_sub(1));
+            tracing::warn!(
+                step = s,
+                "no room in the checkpoint queue before the deadline; this step is not committed"
+            );
+        }
+    }
+
+    /// Waits until nothing is pending, up to `limit`; then cancels what is left and starts a
+    /// new era. Returns whether everything finished.
+    pub(super) async fn settle(&mut self, limit: Duration) -> bool {
+        let mut pending = self.pending.clone();
+        let done = tokio::time::timeout(limit, pending.wait_for(|n| *n == 0))
+            .await
+            .is_ok();
+        if !done {
+            tracing::warn!(
+                limit_ms = limit.as_millis() as u64,
+                "pending checkpoint commits did not finish in time; cancelling them"
+            );
+            self.era.cancel();
+            self.era = CancellationToken::new();
+            let _ = tokio::time::timeout(
+                Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS),
+                pending.wait_for(|n| *n == 0),
+            )
+            .await;
+        }
+        done
+    }
+
+    pub(super) fn latest(&self) -> Option<u64> {
+        *self.committed.borrow()
+    }
+
+    /// Closes the queue and waits for the committer, up to `limit`.
+    pub(super) async fn finish(self, limit: Duration) -> bool {
+        drop(self.tx);
+        let era = self.era.clone();
+        match tokio::time::timeout(limit, self.task).await {
+            Ok(Ok(ok)) => ok,
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "checkpoint task failed");
+                false
+            }
+            Err(_) => {
+                era.cancel();
+                tracing::error!(
+                    limit_ms = limit.as_millis() as u64,
+                    "checkpoint flush did not finish in time"
+                );
+                false
+            }
+        }
+    }
+}
+
+pub(super) async fn flush(committer: &mut Committer, limit: Duration) -> bool {
+    committer.settle(limit).await
+}
+
+/// Records a saved part; returns the step once every local rank has staged it.
+pub(super) fn tracker_complete(
+    node: &Node,
+    view: &GenerationView,
+    tracker: &mut StepTracker,
+    r: Received,
+) -> Option<StepToCommit> {
+    let world = r.world_size;
+    let generation = r.generation;
+    if let Some(why) = r.skipped {
+        give_up_step(node, generation, r.part.rank, r.part.step, why);
+        return None;
+    }
+    let parts = tracker.record_received(r.epoch, r.ranks, r.part)?;
+    let step = parts[0].step;
+    tracing::info!(step, ranks = parts.len(), "step staged by every local rank");
+    if !node
+        .staging_checked
+        .swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        check_staging_room(node, step, &parts);
+    }
+    let s = &view.scaling;
+    let agent_metadata = json!({
+        "generation": generation,
+        "world_size": world,
+        "node": node.node_id,
+        "mode": format!("{:?}", node.mode).to_lowercase(),
+        "scaling": {
+            "lr_scale": s.lr_scale,
+            "lr": s.lr,
+            "batch_size": s.batch_size,
+            "global_batch": s.global_batch,
+            "grad_accum_steps": s.grad_accum_steps,
+        },
+    });
+    Some(StepToCommit {
+        step,
+        generation,
+        world_size: world,
+        parts,
+        agent_metadata,
+    })
+}
+
+/// Says so, with the sizes, when the staging file system cannot hold
+/// [`STAGED_CHECKPOINTS_MAX`] checkpoints the size of this first one (Docker's default
+/// `/dev/shm` is 64 MiB): checkpoints are then skipped whenever it fills.
+pub(super) fn check_staging_room(
+    node: &Node,
+    step: u64,
+    parts: &[crate::agent_socket::StagedPart],
+) {
+    let bytes: u64 = parts
+        .iter()
+        .flat_map(|p| std::fs::read_dir(&p.dir).into_iter().flatten().flatten())
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .sum();
+    let Some(fs_bytes) = fs_size_bytes(&node.spec.staging_dir) else {
+        return;
+    };
+    let needed = bytes.saturating_mul(STAGED_CHECKPOINTS_MAX);
+    if needed > fs_bytes {
+        tracing::warn!(
+            step,
+            checkpoint_bytes = bytes,
+            staging_bytes = fs_bytes,
+            needed_bytes = needed,
+            staging = %node.spec.staging_dir.display(),
+            "the staging file system holds fewer than {STAGED_CHECKPOINTS_MAX} checkpoints of this node \
+             ({bytes} bytes each, {fs_bytes} in all): when it fills, workers skip their snapshot \
+             and that checkpoint is given up; give --staging-dir a larger file system \
+             (or docker --shm-size) to keep every checkpoint"
+        );
+        node.events.emit(
+            "staging_too_small",
+            json!({"step": step, "checkpoint_bytes": bytes, "staging_bytes": fs_bytes, "needed_bytes": needed}),
+        );
+    }
+}
+
+/// The size of the file system holding `dir`.
+pub(super) fn fs_size_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: an all-zero statvfs is a valid value for statvfs to fill.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid NUL-terminated path and a writable buffer.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some((st.f_blocks as u64).saturating_mul(st.f_frsize as u64))
+}
+
+/// A local rank could not stage its part of `step` (a full staging disk): the step can never
+/// commit, so say so in the store, where every node's committer sees it at its next try and
+/// stops waiting for the part instead of holding the commit queue until its deadline.
+pub(super) fn give_up_step(node: &Node, generation: u64, rank: u32, step: u64, why: String) {
+    tracing::warn!(step, rank, reason = %why, "a worker skipped its snapshot; giving the checkpoint up");
+    node.state
+        .metrics
+        .checkpoint_failures_total
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    node.events.emit(
+        "checkpoint_skipped",
+        json!({"step": step, "generation": generation, "rank": rank, "reason": why}),
+    );
+    let store = node.sink.store().clone();
+    let writer = crate::store_sink::writer_id(generation, rank);
+    tokio::spawn(
+        async move {
+            let cancel = CancellationToken::new();
+            let deadline = Duration::from_millis(GIVE_UP_DEADLINE_MS);
+            match tokio::time::timeout(deadline, store.abandon_part(step, &writer, &why, &cancel))
+                .await
+            {
+                Ok(Ok(())) => tracing::info!(step, %writer, "checkpoint given up in the store"),
+                Ok(Err(e)) => tracing::warn!(step, %writer, error = %e, "could not mark the checkpoint as given up (peers wait for its part until their commit deadline)"),
+                Err(_) => tracing::warn!(step, %writer, "marking the checkpoint as given up timed out"),
+            }
+        }
+        .in_current_span(),
+    );
+}
+
+/// Commits complete steps in order; returns whether every commit succeeded.
+pub(super) async fn commit_loop(
+    sink: Arc<StoreSink>,
+    mut steps: mpsc::Receiver<(StepToCommit, CancellationToken)>,
+    state: Arc<AgentState>,
+    staging: PathBuf,
+    events: Arc<Events>,
+    committed: watch::Sender<Option<u64>>,
+    pending: Arc<watch::Sender<usize>>,
+) -> bool {
+    let mut ok = true;
+    while let Some((s, cancel)) = steps.recv().await {
+        let (step, generation) = (s.step, s.generation);
+        let staged: Vec<StagedPart> = s.parts.clone();
+        let t0 = Instant::now();
+        let result = if cancel.is_cancelled() {
+            None
+        } else {
+            Some(sink.commit(s, &cancel).await)
+        };
+        match result {
+            Some(Ok(done)) => {
+                tracing::info!(
+                    step,
+                    bytes = done.bytes,
+                    by_this_node = done.by_this_node,
+                    ms = t0.elapsed().as_millis() as u64,
+                    "checkpoint committed"
+                );
+                state.metrics.committed(step, done.bytes, t0.elapsed());
+                events.emit(
+                    "checkpoint_committed",
+                    json!({"step": step, "generation": generation, "bytes": done.bytes, "by_this_node": done.by_this_node}),
+                );
+                committed.send_modify(|c| {
+                    if c.is_none_or(|c| c < step) {
+                        *c = Some(step);
+                    }
+                });
+            }
+            Some(Err(e)) => {
+                ok = false;
+                state
+                    .metrics
+                    .checkpoint_failures_total
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                match &e {
+                    crate::store_sink::SinkError::Commit { source, .. }
+                        if matches!(**source, checkpoint::Error::Abandoned { .. }) =>
+                    {
+                        tracing::warn!(step, error = %e, "checkpoint given up: a rank could not stage it");
+                    }
+                    crate::store_sink::SinkError::Commit { source, .. }
+                        if matches!(**source, checkpoint::Error::Rejected { .. }) =>
+                    {
+                        tracing::error!(step, error = %e, "checkpoint commit failed");
+                        // Retrying cannot help: tell the workers at their next save.
+                        state.refuse_next_save(format!("checkpoint not committed: {source}"));
+                    }
+                    _ => tracing::error!(step, error = %e, "checkpoint commit failed"),
+                }
+            }
+            None => tracing::warn!(step, "checkpoint commit cancelled"),
+        }
+        // The staged copy is no longer needed either way: committed, or given up.
+        // Only a real directory inside staging: never one reached through a symlink.
+        if let Some(p) = staged.first().and_then(|p| p.dir.parent()) {
+            remove_inside_staging(&staging, p);
+        }
+        pending.send_modify(|n| *n = n.saturating_sub(1));
+    }
+    ok
+}
