@@ -232,7 +232,8 @@ pub(super) async fn failure_counts(
     let mut rx = m.snap.clone();
     let same = |snap: &Snapshot| -> Option<bool> {
         let newest = snap.generation.as_ref()?;
-        if newest.number == g.number && newest.created_unix_ms == g.created_unix_ms {
+        // Ordered by number, as `must_stop` does: leaders' clocks may be skewed.
+        if newest.number <= g.number {
             return None;
         }
         let a: BTreeSet<String> = newest.node_ids().into_iter().collect();

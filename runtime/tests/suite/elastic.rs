@@ -6,16 +6,14 @@
 //! workers' output tells what they trained. These tests are heavy (up to 8 PyTorch processes),
 //! so they run one at a time.
 
-mod util;
-
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
+use crate::util::*;
 use serde_json::Value;
-use util::*;
 
 /// One heavy test at a time: they share 2 cores in CI.
 static SERIAL: Mutex<()> = Mutex::new(());

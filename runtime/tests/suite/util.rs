@@ -1,4 +1,4 @@
-#![allow(dead_code)] // Each test binary uses a different subset.
+#![allow(dead_code)] // Each test module uses a different subset.
 //! Helpers for the agent's end-to-end tests: run `elastic-run` as a child, read its output
 //! while it runs, and check processes by PID.
 

@@ -1,12 +1,10 @@
 //! End-to-end tests of the `elastic-run` binary in standalone mode, with real worker processes
 //! and real PyTorch gloo.
 
-mod util;
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use util::*;
+use crate::util::*;
 
 fn env_dumps(dir: &std::path::Path, n: u32) -> Vec<BTreeMap<String, String>> {
     (0..n)

@@ -1,0 +1,208 @@
+//! One worker group: start it through the supervisor, then serve it until it ends: signals
+//! and notices start drains, staged parts go to the committer, etcd's view may stop it, the
+//! lease may fence it. Whatever the workers staged before they exited is handed over after.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use elastic::Generation;
+use serde_json::json;
+use tokio::sync::mpsc;
+use tracing::Instrument;
+
+use super::decide::{StopWhy, must_stop};
+use super::drain::start_drain;
+use super::membership::{Membership, fenced_metrics};
+use super::pipeline::{BETWEEN_GENERATIONS_FLUSH_MS, tracker_complete};
+use super::{Agent, FLUSH_TIMEOUT_MS};
+use crate::notice;
+use crate::store_sink::StepToCommit;
+use crate::supervisor::{self, Command, Outcome};
+use crate::worker_env::GenerationView;
+
+/// How often the agent looks for the first step of a new worker group.
+const FIRST_STEP_POLL_MS: u64 = 50;
+
+/// How a worker group ended, and why the agent stopped it if it did.
+pub(super) struct GroupEnd {
+    pub(super) outcome: Outcome,
+    pub(super) stop_why: Option<StopWhy>,
+}
+
+impl Agent {
+    /// Runs one worker group of `view` to its end.
+    pub(super) async fn run_group(
+        &mut self,
+        view: &GenerationView,
+        running_gen: Option<&Arc<Generation>>,
+    ) -> Result<GroupEnd> {
+        let Agent {
+            node,
+            membership,
+            committer,
+            tracker,
+            drain,
+            approval,
+            restarts,
+            last_step_reached,
+            checkpoint_timer,
+            signals,
+            notices,
+            parts: parts_rx,
+            ..
+        } = self;
+        let state = &node.state;
+        let (cmd_tx, cmd_rx) = mpsc::channel(16);
+        let mut sup_cfg = node.sup_cfg.clone();
+        sup_cfg.first_restart = *restarts;
+        let mut sup = tokio::spawn(
+            supervisor::run(
+                sup_cfg,
+                node.spec.clone(),
+                view.clone(),
+                state.clone(),
+                cmd_rx,
+            )
+            .in_current_span(),
+        );
+        node.events.emit(
+            "workers_started",
+            json!({"generation": view.generation, "restart_count": *restarts}),
+        );
+        let mut first_step_seen = false;
+        let mut first_step_poll = tokio::time::interval(Duration::from_millis(FIRST_STEP_POLL_MS));
+        let mut stop_why: Option<StopWhy> = None;
+        let mut committed_rx = committer.committed.clone();
+        let mut snap_rx = match &*membership {
+            Membership::Etcd(m) => Some(m.snap.clone()),
+            Membership::Fixed(_) => None,
+        };
+        if let Some(rx) = snap_rx.as_mut() {
+            rx.mark_changed();
+        }
+        // A complete step waiting for room in the commit queue.
+        let mut held: Option<StepToCommit> = None;
+        let outcome = loop {
+            tokio::select! {
+                out = &mut sup => break out.context("supervisor task")?,
+                Some(sig) = signals.recv() => {
+                    if drain.is_none_or(|d| !d.local) {
+                        tracing::warn!(signal = sig, "signal received; draining");
+                        node.events.emit("drain_started", json!({"reason": "signal"}));
+                        *drain = Some(start_drain(node, membership, &cmd_tx, true).await);
+                    } else {
+                        tracing::warn!(signal = sig, "second signal; forwarding it to the workers");
+                        let _ = cmd_tx.send(Command::Signal(sig)).await;
+                    }
+                }
+                Some(n) = notices.recv() => match n {
+                    notice::Notice::Preempt { why, approval: a } => {
+                        *approval = a.or(approval.take());
+                        if drain.is_none_or(|d| !d.local) {
+                            tracing::warn!(notice = %why, "preemption notice; draining");
+                            node.events.emit("drain_started", json!({"reason": "notice"}));
+                            *drain = Some(start_drain(node, membership, &cmd_tx, true).await);
+                        }
+                    }
+                    notice::Notice::Rebalance { why } => match state.last_step() {
+                        // As the checkpoint timer does: the step after the newest one reported.
+                        Some(step) if drain.is_none() => {
+                            tracing::warn!(notice = %why, at_step = step + 1, "rebalance recommendation; checkpointing now");
+                            state.request_checkpoint_at(step + 1);
+                        }
+                        _ => tracing::warn!(notice = %why, "rebalance recommendation; no checkpoint asked (no step reported yet, or draining)"),
+                    },
+                },
+                // Handing over never blocks this loop (signals must stay responsive): a step
+                // that finds the commit queue full is held until room frees up, and no more
+                // parts are taken meanwhile, so they wait in their channel and, once that is
+                // full, workers wait for their `saved` reply.
+                Some(r) = parts_rx.recv(), if held.is_none() => {
+                    if let Some(step) = tracker_complete(node, view, tracker, r) {
+                        held = committer.try_submit(step).err();
+                    }
+                }
+                Ok(permit) = committer.tx.clone().reserve_owned(), if held.is_some() => {
+                    if let Some(step) = held.take() {
+                        committer.submit_with(permit, step);
+                    }
+                }
+                _ = async { checkpoint_timer.as_mut().expect("guarded").tick().await }, if checkpoint_timer.is_some() => {
+                    if let Some(step) = state.last_step() {
+                        tracing::info!(at_step = step + 1, "time-based checkpoint requested");
+                        state.request_checkpoint_at(step + 1);
+                    }
+                }
+                _ = first_step_poll.tick(), if !first_step_seen => {
+                    if let Some(step) = state.last_step() {
+                        first_step_seen = true;
+                        tracing::info!(step, "first step of the generation");
+                        node.events.emit("first_step", json!({"generation": view.generation, "step": step}));
+                    }
+                }
+                Ok(()) = committed_rx.changed(), if matches!(*membership, Membership::Etcd(_)) => {
+                    let latest = committer.latest();
+                    if let (Membership::Etcd(m), Some(step)) = (&mut *membership, latest) {
+                        m.report(step).await;
+                    }
+                }
+                Ok(()) = async { snap_rx.as_mut().expect("guarded").changed().await }, if snap_rx.is_some() && stop_why.is_none() => {
+                    let snap = snap_rx.as_mut().expect("guarded").borrow_and_update().clone();
+                    let Some(g) = running_gen else { continue };
+                    if drain.is_some() {
+                        // The workers are saving the agreed step and exit on their own (or at
+                        // the drain deadline): let them finish the save.
+                        continue;
+                    }
+                    if let Some(why) = must_stop(&snap, g) {
+                        tracing::warn!(?why, "stopping the workers");
+                        stop_why = Some(why);
+                        let _ = cmd_tx.send(Command::Stop).await;
+                    } else if drain.is_none() {
+                        let peer_draining = snap.draining.iter().any(|n| *n != node.node_id && g.member(n).is_some());
+                        if peer_draining {
+                            tracing::warn!(draining = ?snap.draining, "a peer is draining; saving and stopping with it");
+                            node.events.emit("drain_started", json!({"reason": "peer"}));
+                            *drain = Some(start_drain(node, membership, &cmd_tx, false).await);
+                        }
+                    }
+                }
+                e = async {
+                    match &*membership {
+                        Membership::Etcd(m) if m.handle.is_some() => {
+                            m.handle.as_ref().expect("checked").fenced().await
+                        }
+                        _ => std::future::pending().await,
+                    }
+                }, if stop_why.is_none() => {
+                    tracing::error!(error = %e, "fenced: stopping the workers before peers re-form the job");
+                    node.events.emit("fenced", json!({"reason": e.to_string()}));
+                    fenced_metrics(&node.state, true);
+                    stop_why = Some(StopWhy::Fenced);
+                    let _ = cmd_tx.send(Command::Stop).await;
+                }
+            }
+        };
+        drop(cmd_tx);
+        *last_step_reached = state.last_step().or(*last_step_reached);
+        // Parts reported just before the workers exited are already queued: hand them over,
+        // waiting for queue room as long as this ending allows (a drain's last checkpoint is
+        // the one that matters most).
+        let handover_limit = match (&*drain, &outcome) {
+            (Some(d), _) if d.local => node.grace.saturating_sub(d.started.elapsed()),
+            (_, Outcome::Succeeded) => Duration::from_millis(FLUSH_TIMEOUT_MS),
+            _ => Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS),
+        };
+        let handover_deadline = Instant::now() + handover_limit;
+        if let Some(step) = held.take() {
+            committer.submit_until(step, handover_deadline).await;
+        }
+        while let Ok(r) = parts_rx.try_recv() {
+            if let Some(step) = tracker_complete(node, view, tracker, r) {
+                committer.submit_until(step, handover_deadline).await;
+            }
+        }
+        Ok(GroupEnd { outcome, stop_why })
+    }
+}

@@ -1,0 +1,231 @@
+//! Starting the agent: every check a user can fail comes before anything is created; then the
+//! run and staging directories, the store, the worker socket, the metrics server, the notice
+//! poller, and the node's first membership.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use checkpoint::CancellationToken;
+use tokio::sync::{mpsc, watch};
+
+use super::config::{Mode, free_port, rendezvous_config, scaling_config, usage, worker_argv};
+use super::dirs::{RunDir, Staging};
+use super::membership::{EtcdMember, Membership, fenced_metrics};
+use super::pipeline::Committer;
+use super::{Agent, Node, RESTORE_DIR, STOP_GRACE_MS, Services};
+use crate::agent_socket::{self, AgentState, Received};
+use crate::checkpoint_sink::StepTracker;
+use crate::cli::Cli;
+use crate::events::Events;
+use crate::notice;
+use crate::scaling;
+use crate::store_sink::{SinkOptions, StoreSink};
+use crate::supervisor::SupervisorConfig;
+use crate::worker_env::{GenerationView, WorkerSpec};
+
+/// Checks the configuration, creates what the agent runs with, and joins the job.
+pub(super) async fn start(
+    cli: Cli,
+    mode: Mode,
+    nproc: u32,
+    node_id: String,
+    run_id: String,
+) -> Result<(Agent, Services)> {
+    // Everything a user can get wrong is checked before anything is created.
+    let scaling_cfg = scaling_config(&cli, nproc);
+    scaling_cfg.to_policy().map_err(|e| usage(e.to_string()))?;
+    let argv = worker_argv(&cli)?;
+    let rdzv_cfg = match mode {
+        Mode::Etcd => Some(rendezvous_config(&cli, &node_id, nproc, &scaling_cfg)?),
+        _ => None,
+    };
+    let url = cli
+        .checkpoint_url
+        .resolved()
+        .context("resolve --checkpoint-url")?;
+    let store_config = cli.store_options();
+    crate::cli::check_store_options(&url, &store_config)
+        .map_err(|e| usage(format!("--checkpoint-store-option: {e}")))?;
+    let events = Arc::new(
+        Events::open(cli.events_file.as_deref(), &node_id)
+            .with_context(|| format!("open --events-file {:?}", cli.events_file))?,
+    );
+
+    let run_dir = RunDir::create()?;
+    // Removes a default staging dir when the agent returns, on every path.
+    let staging_guard = Staging::prepare(cli.staging_dir.as_deref(), &run_id, &node_id)?;
+    let staging = staging_guard.path.clone();
+    let sink_opts = SinkOptions {
+        compression: cli.checkpoint_compress,
+        store_config,
+        keep_steps: cli.checkpoint_keep_last,
+        keep_every: cli.checkpoint_keep_every,
+        ..SinkOptions::default()
+    };
+    let sink = StoreSink::open(&url, staging.join(RESTORE_DIR), sink_opts)
+        .map_err(|e| usage(format!("--checkpoint-url {url}: {e}")))?;
+    let sink = Arc::new(sink);
+    let socket_path = run_dir.path.join("agent.sock");
+    let spec = WorkerSpec {
+        nproc,
+        role: cli.role.clone(),
+        run_id: run_id.clone(),
+        node_id: node_id.clone(),
+        max_restarts: cli.max_restarts,
+        checkpoint_interval: cli.checkpoint_interval,
+        staging_dir: staging.clone(),
+        agent_socket: socket_path.clone(),
+        run_dir: run_dir.path.clone(),
+    };
+    let sup_cfg = SupervisorConfig {
+        argv,
+        // The agent restarts groups itself (it must restore, and in etcd mode re-form).
+        max_restarts: 0,
+        monitor_interval: cli.monitor_interval,
+        hang_timeout: cli.hang_timeout,
+        startup_timeout: cli.startup_timeout,
+        stop_grace: Duration::from_millis(STOP_GRACE_MS),
+        omp_num_threads_set: std::env::var_os("OMP_NUM_THREADS").is_some(),
+        first_restart: 0,
+    };
+
+    // Signals first: a SIGTERM from here on drains instead of killing the agent.
+    let signals = crate::signals::listen()?;
+
+    let state = Arc::new(AgentState::new(staging.clone()));
+    let listener = tokio::net::UnixListener::bind(&socket_path)
+        .with_context(|| format!("bind the agent socket {}", socket_path.display()))?;
+    let (parts_tx, parts_rx) = mpsc::channel::<Received>(nproc.max(1) as usize);
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let server = tokio::spawn(agent_socket::serve(
+        listener,
+        state.clone(),
+        parts_tx,
+        shutdown_rx,
+    ));
+    let metrics_server = match cli.metrics_addr {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("--metrics-addr {addr}"))?;
+            tracing::info!(addr = %l.local_addr()?, "serving metrics at /metrics");
+            Some(tokio::spawn(crate::metrics::serve(
+                l,
+                state.clone(),
+                shutdown_tx.subscribe(),
+            )))
+        }
+        None => None,
+    };
+    let (notice_tx, notices) = mpsc::channel::<notice::Notice>(1);
+    let poller = cli.preemption_notice.clone().map(|n| {
+        let mut cfg = notice::Config::new(n, cli.monitor_interval.max(Duration::from_secs(1)));
+        cfg.rebalance = cli.rebalance_action;
+        cfg.azure_vm_name = cli.azure_vm_name.clone();
+        tokio::spawn(notice::poll(cfg, state.clone(), notice_tx))
+    });
+
+    let node = Node {
+        mode,
+        nproc,
+        node_id: node_id.clone(),
+        scaling: scaling_cfg,
+        spec,
+        sup_cfg,
+        state: state.clone(),
+        sink: sink.clone(),
+        events: events.clone(),
+        grace: cli.preemption_grace,
+        max_restarts: cli.max_restarts,
+        staging_checked: std::sync::atomic::AtomicBool::new(false),
+    };
+
+    let cancel_all = CancellationToken::new();
+    let bucket_latest = sink
+        .latest_step(&cancel_all)
+        .await
+        .with_context(|| format!("read the newest committed step at {}", sink.url()))?;
+    if let Some(step) = bucket_latest {
+        tracing::info!(step, url = %sink.url(), "newest committed step in the checkpoint store");
+    }
+    let membership = match mode {
+        Mode::Standalone | Mode::Static => {
+            let master_port = match (mode, cli.master_port) {
+                (_, Some(p)) => p,
+                (Mode::Static, None) => crate::cli::MASTER_PORT_DEFAULT,
+                _ => free_port().context("no free port for the master")?,
+            };
+            let (node_rank, node_count, master_addr) = match mode {
+                Mode::Static => (cli.node_rank, cli.nnodes.max, cli.master_addr.clone()),
+                _ => (0, 1, "127.0.0.1".to_string()),
+            };
+            let world = nproc.saturating_mul(node_count);
+            let s =
+                scaling::decide(&node.scaling, world, None).map_err(|e| usage(e.to_string()))?;
+            Membership::Fixed(GenerationView {
+                generation: 0,
+                world_size: world,
+                node_rank,
+                node_count,
+                rank_offset: node_rank * nproc,
+                master_addr,
+                master_port,
+                scaling: s,
+                resume: None,
+            })
+        }
+        Mode::Etcd => {
+            let cfg = rdzv_cfg.expect("etcd mode has a rendezvous config");
+            let mut m = EtcdMember::join(cfg, &events).await?;
+            state
+                .metrics
+                .has_lease
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            fenced_metrics(&state, false);
+            m.bucket_latest = bucket_latest;
+            if let Some(step) = bucket_latest {
+                m.report(step).await;
+            }
+            Membership::Etcd(Box::new(m))
+        }
+    };
+
+    let committer = Committer::start(&node, bucket_latest);
+    let tracker = StepTracker::new(0..0);
+    // An Azure event to approve once this node's drain is done.
+    let approval: Option<notice::Approval> = None;
+    let restarts: u32 = 0;
+    let last_step_reached: Option<u64> = None;
+    // Time-based checkpoints: ask for the step after the newest one reported.
+    let checkpoint_timer = cli.checkpoint_every.map(|every| {
+        let mut t = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t
+    });
+
+    let agent = Agent {
+        node,
+        membership,
+        committer,
+        tracker,
+        drain: None,
+        approval,
+        restarts,
+        last_step_reached,
+        checkpoint_timer,
+        signals,
+        notices,
+        parts: parts_rx,
+        cancel: cancel_all,
+    };
+    let services = Services {
+        shutdown: shutdown_tx,
+        server,
+        metrics_server,
+        poller,
+        run_dir,
+        staging: staging_guard,
+    };
+    Ok((agent, services))
+}
