@@ -187,6 +187,8 @@ async fn members_join_and_form_a_generation_with_ranks_and_master() {
 // ---- member processes for the SIGKILL tests ----
 
 const CHILD_ENV: &str = "ELASTIC_TEST_CHILD";
+/// The full name of `child_member_process` in the suite binary, for `--exact`.
+const CHILD_TEST: &str = "etcd::child_member_process";
 
 /// Not a test: the entry point of the member *process* the SIGKILL tests spawn (the test
 /// binary re-executed with `ELASTIC_TEST_CHILD=endpoint,job,node,ttl_ms`). Without that
@@ -219,7 +221,7 @@ struct ChildMember {
 impl ChildMember {
     fn spawn(ep: &str, job: &str, node: &str, ttl_ms: u64) -> Self {
         let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["child_member_process", "--exact", "--nocapture"])
+            .args([CHILD_TEST, "--exact", "--nocapture"])
             .env(CHILD_ENV, format!("{ep},{job},{node},{ttl_ms}"))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -768,7 +770,8 @@ async fn next_generation_resumes_from_a_commit_the_leader_saw_but_etcd_missed() 
     .await;
     until(&a, 2_000, "a leader", |s| s.leader.is_some()).await;
     let (mut leader, other) = if a.is_leader() { (a, b) } else { (b, a) };
-    let g1 = leader.next_generation().await.unwrap();
+    // a's view was waited on; the leader may be b, whose view is read here: bounded.
+    let g1 = next(&mut leader, 5_000).await;
     assert_eq!(g1.members.len(), 2);
     leader.report_commit(30).await.unwrap();
     // Both views: the leader's is asserted below, and its watch may deliver the commit after
@@ -1334,10 +1337,14 @@ async fn restart_request_restarts_every_member_in_one_new_generation() {
     assert_eq!(next(&mut b, 5_000).await, g1);
     assert_eq!(ids(&g1), ["a", "b"]);
     a.report_commit(40).await.unwrap();
-    until(&b, 2_000, "the commit", |s| {
-        s.latest_commit.as_ref().map(|c| c.step) == Some(40)
-    })
-    .await;
+    // Both views: either member may lead, and the leader's view gives the restart generation
+    // its resume step (asserted below).
+    for h in [&a, &b] {
+        until(h, 2_000, "the commit", |s| {
+            s.latest_commit.as_ref().map(|c| c.step) == Some(40)
+        })
+        .await;
+    }
 
     // b's workers failed in g1: it asks for a restart; every member gets g1 + 1 at once.
     let t0 = Instant::now();
