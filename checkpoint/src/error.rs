@@ -124,6 +124,12 @@ pub enum Error {
 
     #[error("{op} timed out after {deadline_ms} ms")]
     Timeout { op: String, deadline_ms: u64 },
+
+    /// A blocking task this crate ran (reading, encoding, decoding, writing or fsyncing on
+    /// the blocking pool) panicked or was cancelled: a fault of this process, not of the
+    /// input or of the stored data. `task` names the work, `message` is the task's failure.
+    #[error("{task} task failed: {message}")]
+    TaskFailed { task: &'static str, message: String },
 }
 
 impl Error {
@@ -137,6 +143,9 @@ impl Error {
                     | std::io::ErrorKind::TimedOut
                     | std::io::ErrorKind::WouldBlock
             ),
+            // A panicked or cancelled task is a fault of this process: the same call again
+            // cannot be expected to do better.
+            Error::TaskFailed { .. } => true,
             _ => true,
         }
     }
@@ -156,7 +165,18 @@ impl Error {
                     StoreErrorKind::NotFound | StoreErrorKind::NotARegularFile
                 )
             }
+            // Says nothing about the stored data: no fallback to an older step for it.
+            Error::TaskFailed { .. } => false,
             _ => false,
+        }
+    }
+
+    /// The error for a blocking task (`tokio::task::spawn_blocking`) named `task` that
+    /// panicked or was cancelled instead of returning.
+    pub(crate) fn task_failed(task: &'static str, e: tokio::task::JoinError) -> Self {
+        Error::TaskFailed {
+            task,
+            message: e.to_string(),
         }
     }
 
@@ -275,6 +295,27 @@ mod tests {
         let m = "url http://h/k?X-Amz-Credential=AKIA123&X-Amz-Signature=ff00";
         let r = redact(m);
         assert!(!r.contains("AKIA123") && !r.contains("ff00"), "{r}");
+    }
+
+    #[tokio::test]
+    async fn a_panicked_blocking_task_is_a_task_failure_naming_the_task() {
+        let join = tokio::task::spawn_blocking(|| -> Result<()> { panic!("boom in the pool") })
+            .await
+            .unwrap_err();
+        let e = Error::task_failed("encode", join);
+        assert!(
+            matches!(&e, Error::TaskFailed { task: "encode", message } if message.contains("boom in the pool")),
+            "{e:?}"
+        );
+        let shown = e.to_string();
+        assert!(shown.starts_with("encode task failed: "), "{shown}");
+        assert!(shown.contains("panicked"), "{shown}");
+        assert!(!shown.contains("invalid input"), "{shown}");
+        // Not bad stored data: a restore does not fall back past a step for it.
+        assert!(!e.is_integrity());
+        assert!(e.store_kind().is_none());
+        // Permanent for the retrier, as before: retrying the store call cannot fix it.
+        assert!(e.is_permanent());
     }
 
     #[test]

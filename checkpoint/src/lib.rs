@@ -8,11 +8,21 @@
 //! - [`codec`]: per-chunk compression (`raw`, `zstd`, `zstd-planes`).
 //! - [`store`]: [`Store`], a URL-addressed location with retries, deadlines, cancellation.
 //! - [`save`]: streaming save of a writer's part, [`Store::commit`], and [`split_by_bytes`].
-//! - [`restore`]: listing, verification, resharded restore and byte-identical pull.
+//!   Its private submodules: `save/input.rs` (directory walk, headers, chunk plan),
+//!   `save/upload.rs` ([`Store::save_part`]: encode and upload chunks, then the part record;
+//!   [`Store::abandon_part`]) and `save/commit.rs` ([`Store::commit`]: merge the part records
+//!   into the manifest; [`Store::read_manifest`]).
+//! - [`restore`]: listing, verification, resharded restore and byte-identical pull. `restore.rs`
+//!   plans each output file ([`Store::pull`], [`Store::restore`]); its private submodules:
+//!   `restore/steps.rs` (which steps exist, [`Store::latest_committed`], the fallback past a
+//!   step that does not verify), `restore/read.rs` (fetch a chunk and check its checksums,
+//!   [`Store::verify`]) and `restore/write.rs` (copy decoded chunks into output files that
+//!   appear only complete).
 //! - [`retention`]: the retention policy (a pure planner) and garbage collection.
 //! - [`copy`]: copying committed steps between stores.
 //! - [`error`]: the public [`Error`] (with `is_permanent`, `is_integrity`).
-//! - `local` (private): durable local writes (temp file, fsync, rename, fsync dir).
+//! - `local` (private): durable local writes (temp file, fsync, rename, fsync dir); its
+//!   [`durable::write_file_durable`] and [`durable::fsync_dir`] are public as [`durable`].
 //! - `src/bin/elastic-ckpt.rs`: the command-line tool (`push pull ls show verify gc cp`).
 //! - `tests/`: one test binary (`tests.rs`: conformance on memory/file/S3, bad input, crash,
 //!   faults, CLI, GCS reads, PyTorch interop) plus `azure.rs` (Azurite needs its own process).
@@ -95,6 +105,12 @@ pub mod error;
 pub mod format;
 pub mod header;
 mod local;
+
+/// Durable local writes, the ones this crate makes its own local files with, for callers
+/// that keep small files of their own next to a checkpoint (markers, state).
+pub mod durable {
+    pub use crate::local::{fsync_dir, write_file_durable};
+}
 pub mod restore;
 pub mod retention;
 pub mod save;

@@ -28,11 +28,17 @@ pub fn fsync_file_and_dir(path: &Path) -> Result<()> {
         .and_then(|f| f.sync_all())
         .map_err(|e| Error::io(path, e))?;
     if let Some(dir) = path.parent() {
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| Error::io(dir, e))?;
+        fsync_dir(dir)?;
     }
     Ok(())
+}
+
+/// Fsyncs a directory, so that the entries created, renamed or removed in it so far survive
+/// a crash. Fails with [`Error::Io`] naming `dir`.
+pub fn fsync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io(dir, e))
 }
 
 /// Creates `dir` and its missing parents with mode 0700.
@@ -251,8 +257,15 @@ impl Drop for DurableFile {
     }
 }
 
-/// Writes `data` to `dest` durably.
-pub fn write_durable(dest: &Path, data: &[u8]) -> Result<()> {
+/// Writes `data` to `dest` durably: into a fresh temp file (mode 0600, a random name next to
+/// `dest`, created exclusively without following links), fsynced, renamed over `dest`, and
+/// the directory fsynced. Readers see the old file or the whole new one, never a part. Missing
+/// parent directories are made (0700; existing ones are left as they are); a symlink standing
+/// at `dest` is refused rather than replaced. A failure before the rename removes the temp
+/// file and leaves `dest` as it was. Fails with [`Error::Io`] naming the path, or with
+/// [`Error::InvalidInput`] for a symlink at `dest` or a path without a parent or a UTF-8 file
+/// name.
+pub fn write_file_durable(dest: &Path, data: &[u8]) -> Result<()> {
     let f = DurableFile::create(dest)?;
     f.write_at(data, 0)?;
     f.commit()
@@ -294,7 +307,7 @@ mod tests {
     #[test]
     fn files_are_private_whatever_the_umask() {
         let tmp = tempfile::tempdir().unwrap();
-        write_durable(&tmp.path().join("a/b/f.bin"), b"x").unwrap();
+        write_file_durable(&tmp.path().join("a/b/f.bin"), b"x").unwrap();
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&tmp.path().join("a/b/f.bin")), FILE_MODE);
         assert_eq!(mode(&tmp.path().join("a/b")), DIR_MODE);

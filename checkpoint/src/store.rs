@@ -298,7 +298,7 @@ impl Store {
             let r = tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return Err(Error::Cancelled { op: format!("get {key} on {}", self.display) }),
-                r = read => r.map_err(|e| Error::InvalidInput(format!("read task: {e}")))?,
+                r = read => r.map_err(|e| Error::task_failed("read", e))?,
             };
             return r.map(Bytes::from).map_err(|e| {
                 let kind = match e.kind() {
@@ -536,7 +536,7 @@ impl Store {
             _ => Ok(()),
         })
         .await
-        .map_err(|e| Error::InvalidInput(format!("remove task: {e}")))?
+        .map_err(|e| Error::task_failed("remove", e))?
     }
 
     /// On `file://`, makes a written object durable: fsync the file and its directory.
@@ -547,7 +547,7 @@ impl Store {
         let file = root.join(self.path(key).as_ref());
         tokio::task::spawn_blocking(move || crate::local::fsync_file_and_dir(&file))
             .await
-            .map_err(|e| Error::InvalidInput(format!("fsync task: {e}")))?
+            .map_err(|e| Error::task_failed("fsync", e))?
     }
 }
 

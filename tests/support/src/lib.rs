@@ -11,7 +11,9 @@
 //! - [`http`]: a minimal HTTP/1.1 client used for readiness checks and for the set-up calls the
 //!   services need (buckets, containers, seeded objects).
 //! - [`metadata`]: local AWS, GCP and Azure instance metadata services (preemption notices)
-//!   that enforce what the real ones do: tokens, headers, `wait_for_change`, approvals.
+//!   that enforce what the real ones do: tokens, headers, `wait_for_change`, approvals. One
+//!   file per cloud under `metadata/` (`imds.rs`, `gce.rs`, `azure.rs`) on the small HTTP
+//!   server they share (`server.rs`).
 //! - [`paths`]: where the installed tools live (the Python environment and `node_modules`
 //!   created by `tests/services/setup.sh`).
 //!
