@@ -26,17 +26,17 @@
 
 pub mod agent;
 pub mod agent_socket;
-pub mod checkpoint_sink;
+
 pub mod cli;
 pub mod events;
 pub mod logging;
 pub mod metrics;
 pub mod notice;
 pub mod output;
+pub mod pipeline;
 pub mod scaling;
 pub mod signals;
 pub mod status;
-pub mod store_sink;
 pub mod supervisor;
 pub mod worker;
 pub mod worker_env;

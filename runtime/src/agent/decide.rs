@@ -225,8 +225,8 @@ pub fn after_group(a: &AfterGroup) -> Decision {
 /// Whether a failed restore may succeed when tried again: local I/O (a full staging disk)
 /// and store trouble may pass; a bad request or a cancellation does not. A step that does
 /// not verify never reaches here: the sink falls back to an older one.
-pub fn restore_is_retryable(e: &crate::store_sink::SinkError) -> bool {
-    use crate::store_sink::SinkError as E;
+pub fn restore_is_retryable(e: &crate::pipeline::SinkError) -> bool {
+    use crate::pipeline::SinkError as E;
     match e {
         E::Cancelled { .. } | E::InvalidInput(_) => false,
         E::Restore { source, .. } => !source.is_integrity(),
@@ -240,7 +240,7 @@ mod tests {
 
     #[test]
     fn a_full_disk_or_an_unreachable_store_is_retried_but_bad_data_and_cancels_are_not() {
-        use crate::store_sink::SinkError as E;
+        use crate::pipeline::SinkError as E;
         let full = E::Io {
             op: "write",
             path: "/dev/shm/x".into(),

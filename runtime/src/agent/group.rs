@@ -17,7 +17,7 @@ use super::membership::{Membership, fenced_metrics};
 use super::pipeline::{BETWEEN_GENERATIONS_FLUSH_MS, tracker_complete};
 use super::{Agent, FLUSH_TIMEOUT_MS};
 use crate::notice;
-use crate::store_sink::StepToCommit;
+use crate::pipeline::StepToCommit;
 use crate::supervisor::{self, Command, Outcome};
 use crate::worker_env::GenerationView;
 

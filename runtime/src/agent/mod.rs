@@ -84,12 +84,12 @@ use membership::{Membership, Next, leave, wait_generation};
 use pipeline::Committer;
 
 use crate::agent_socket::{AgentState, Received};
-use crate::checkpoint_sink::StepTracker;
 use crate::cli::Cli;
 use crate::events::Events;
 use crate::notice;
+use crate::pipeline::StepTracker;
+use crate::pipeline::StoreSink;
 use crate::scaling::ScalingConfig;
-use crate::store_sink::StoreSink;
 use crate::supervisor::SupervisorConfig;
 use crate::worker_env::{GenerationView, WorkerSpec};
 

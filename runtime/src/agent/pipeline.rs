@@ -12,9 +12,9 @@ use tracing::Instrument;
 use super::Node;
 use super::dirs::remove_inside_staging;
 use crate::agent_socket::{AgentState, Received, StagedPart};
-use crate::checkpoint_sink::StepTracker;
 use crate::events::Events;
-use crate::store_sink::{StepToCommit, StoreSink};
+use crate::pipeline::StepTracker;
+use crate::pipeline::{StepToCommit, StoreSink};
 use crate::worker_env::GenerationView;
 
 /// Complete steps queued for the committer besides the one it is committing. With one more
@@ -285,7 +285,7 @@ pub(super) fn give_up_step(node: &Node, generation: u64, rank: u32, step: u64, w
         json!({"step": step, "generation": generation, "rank": rank, "reason": why}),
     );
     let store = node.sink.store().clone();
-    let writer = crate::store_sink::writer_id(generation, rank);
+    let writer = crate::pipeline::writer_id(generation, rank);
     tokio::spawn(
         async move {
             let cancel = CancellationToken::new();
@@ -349,12 +349,12 @@ pub(super) async fn commit_loop(
                     .checkpoint_failures_total
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 match &e {
-                    crate::store_sink::SinkError::Commit { source, .. }
+                    crate::pipeline::SinkError::Commit { source, .. }
                         if matches!(**source, checkpoint::Error::Abandoned { .. }) =>
                     {
                         tracing::warn!(step, error = %e, "checkpoint given up: a rank could not stage it");
                     }
-                    crate::store_sink::SinkError::Commit { source, .. }
+                    crate::pipeline::SinkError::Commit { source, .. }
                         if matches!(**source, checkpoint::Error::Rejected { .. }) =>
                     {
                         tracing::error!(step, error = %e, "checkpoint commit failed");

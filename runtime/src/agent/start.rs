@@ -15,12 +15,12 @@ use super::membership::{EtcdMember, Membership, fenced_metrics};
 use super::pipeline::Committer;
 use super::{Agent, Node, RESTORE_DIR, STOP_GRACE_MS, Services};
 use crate::agent_socket::{self, AgentState, Received};
-use crate::checkpoint_sink::StepTracker;
 use crate::cli::Cli;
 use crate::events::Events;
 use crate::notice;
+use crate::pipeline::StepTracker;
+use crate::pipeline::{SinkOptions, StoreSink};
 use crate::scaling;
-use crate::store_sink::{SinkOptions, StoreSink};
 use crate::supervisor::SupervisorConfig;
 use crate::worker_env::{GenerationView, WorkerSpec};
 

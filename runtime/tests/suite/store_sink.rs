@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use checkpoint::{CancellationToken, Store};
 use runtime::agent_socket::StagedPart;
-use runtime::store_sink::{SinkError, SinkOptions, StepToCommit, StoreSink};
+use runtime::pipeline::{SinkError, SinkOptions, StepToCommit, StoreSink};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{Value, json};

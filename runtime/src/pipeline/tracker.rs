@@ -1,6 +1,6 @@
 //! Per-step bookkeeping on one node: [`StepTracker`] collects the workers' `saved` reports and
 //! says when every local rank of a worker group has staged a step, so the agent can hand the
-//! step to [`crate::store_sink::StoreSink`].
+//! step to [`crate::pipeline::StoreSink`].
 
 use std::collections::BTreeMap;
 use std::ops::Range;
