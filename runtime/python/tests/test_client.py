@@ -172,12 +172,12 @@ class AgentProtocol(Env):
         self.addCleanup(agent.close)
         self.env(ELASTIC_AGENT_SOCKET=path, LOCAL_RANK=0, RANK=2)
         # The all-reduce says stop although this agent did not ask: a peer's drain.
-        with mock.patch.object(er, "_all_reduce_max", lambda v: [1, v[1]]):
+        with mock.patch.object(er._distributed, "_all_reduce_max", lambda v: [1, v[1]]):
             self.assertTrue(er.should_stop(30))
         self.assertEqual(agent.requests[-1], {"type": "peer_stop", "rank": 2, "step": 30})
         # This agent asked itself: nothing more to say.
         agent.should_stop = True
-        with mock.patch.object(er, "_all_reduce_max", lambda v: [1, v[1]]):
+        with mock.patch.object(er._distributed, "_all_reduce_max", lambda v: [1, v[1]]):
             self.assertTrue(er.should_stop(31))
         self.assertEqual([r["type"] for r in agent.requests], ["query", "peer_stop", "query"])
 
@@ -305,7 +305,8 @@ class Snapshots(TorchEnv):
         self.addCleanup(agent.close)
         model, _ = self.make(0)
         self.env(ELASTIC_STAGING_DIR=os.path.join(self.tmp.name, "s"), ELASTIC_AGENT_SOCKET=path, RANK=0, WORLD_SIZE=1)
-        with mock.patch.object(er, "SOCKET_TIMEOUT_S", 0.2), mock.patch.object(er, "SAVED_TIMEOUT_S", 10.0):
+        with mock.patch.object(er._connection, "SOCKET_TIMEOUT_S", 0.2), \
+                mock.patch.object(er._connection, "SAVED_TIMEOUT_S", 10.0):
             er.save(1, model=model)
         self.assertEqual([q["step"] for q in agent.requests if q["type"] == "saved"], [1])
 
@@ -315,7 +316,7 @@ class Snapshots(TorchEnv):
         self.addCleanup(agent.close)
         model, _ = self.make(0)
         self.env(ELASTIC_STAGING_DIR=os.path.join(self.tmp.name, "s"), ELASTIC_AGENT_SOCKET=path, RANK=0, WORLD_SIZE=1)
-        with mock.patch.object(er, "SAVED_TIMEOUT_S", 0.2):
+        with mock.patch.object(er._connection, "SAVED_TIMEOUT_S", 0.2):
             with self.assertRaisesRegex(er.AgentError, "no reply from the agent within 0.2 s to 'saved'"):
                 er.save(1, model=model)
         time.sleep(0.3)
@@ -368,13 +369,13 @@ class AsyncSaves(TorchEnv):
         before, before_opt = self.state_of(model, opt)
         # The writer starts writing only once the forward below has run.
         go = threading.Event()
-        write = er._write_safetensors
+        write = er._save._write_safetensors
 
         def gated(*a, **kw):
             self.assertTrue(go.wait(10))
             return write(*a, **kw)
 
-        with mock.patch.object(er, "_write_safetensors", gated):
+        with mock.patch.object(er._save, "_write_safetensors", gated):
             pending = er.async_save(3, model=model, optimizer=opt, extra={"data_pos": 9, "rng": torch.ones(2)})
             self.assertFalse(pending.done())
             # Training goes on: forward changes BatchNorm's running statistics (copied at the
@@ -823,7 +824,7 @@ class MalformedStaged(TorchEnv):
 
     def test_metadata_files_are_read_up_to_the_bound(self):
         d = self.write([self.meta(state={"extra": {"pad": "x" * 200}})])
-        with mock.patch.object(er, "METADATA_BYTES_MAX", 100):
+        with mock.patch.object(er.protocol, "METADATA_BYTES_MAX", 100):
             self.assertRefused(d, r"meta.json: over the limit of 100 bytes")
         self.assertEqual(er.load(resume_dir=d)[0], 3)
 
@@ -898,7 +899,7 @@ class MalformedRestored(Restores):
         self.assertEqual(json.dumps(extra["x"]), json.dumps(json.loads(nested(k))))
         with self.assertRaisesRegex(ValueError, "the JSON state is nested deeper than 62 levels"):
             er.save(8, model=model, optimizer=opt, extra={"x": json.loads(nested(k + 1))})
-        with mock.patch.object(er, "METADATA_BYTES_MAX", 100):
+        with mock.patch.object(er.protocol, "METADATA_BYTES_MAX", 100):
             with self.assertRaisesRegex(ValueError, "over the limit of 100$"):
                 er.async_save(9, model=model, optimizer=opt)
         self.assertEqual(os.listdir(staging), ["step-7"])
@@ -955,7 +956,7 @@ class MalformedReplies(Env):
         self.agent(b"x" * (er.MESSAGE_BYTES_MAX + 10))
         with self.assertRaisesRegex(er.FormatError, r"agent reply longer than 65536 bytes"):
             er.should_stop(1)
-        self.assertIsNone(er._agent.sock)
+        self.assertIsNone(er._state.agent.sock)
 
     def test_a_reply_of_the_wrong_type_to_progress(self):
         self.agent(b'{"type": "state", "should_stop": false}\n')
@@ -1032,12 +1033,12 @@ class StagingFull(TorchEnv):
                 capture_output=True).returncode == 0:
             self.addCleanup(subprocess.run, ["umount", "-l", staging], capture_output=True)
             return staging, None
-        real = er._write_all
+        real = er._save._write_all
 
         def full(fd, buf):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        er._write_all = full
-        return staging, lambda: setattr(er, "_write_all", real)
+        er._save._write_all = full
+        return staging, lambda: setattr(er._save, "_write_all", real)
 
     def test_a_checkpoint_that_does_not_fit_is_skipped_with_the_sizes_and_the_next_that_fits_is_written(self):
         torch = self.torch
@@ -1066,12 +1067,12 @@ class StagingFull(TorchEnv):
     def test_the_agent_hears_of_a_skipped_snapshot_so_that_no_node_waits_for_it(self):
         torch = self.torch
         staging = os.path.join(self.tmp.name, "staging")
-        real = er._write_safetensors
+        real = er._save._write_safetensors
 
         def full(*args, **kwargs):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        er._write_safetensors = full
-        self.addCleanup(setattr, er, "_write_safetensors", real)
+        er._save._write_safetensors = full
+        self.addCleanup(setattr, er._save, "_write_safetensors", real)
         path = os.path.join(self.tmp.name, "a.sock")
         agent = FakeAgent(path)
         self.addCleanup(agent.close)
@@ -1084,6 +1085,75 @@ class StagingFull(TorchEnv):
         told = [r for r in agent.requests if r["type"] != "query"]
         self.assertEqual([(r["type"], r["rank"], r["step"]) for r in told], [("skipped", 0, 6)], said)
         self.assertIn("is full", told[0]["reason"])
+
+
+class Messages(TorchEnv):
+    """What the client sends the agent: one builder per request kind in elastic_run.protocol,
+    and ``python -m elastic_run --print-sample-messages`` printing one of each."""
+
+    def test_print_sample_messages_prints_one_line_per_request_kind(self):
+        requests = er.protocol.REQUESTS
+        out = subprocess.run([sys.executable, "-m", "elastic_run", "--print-sample-messages"], cwd=CLIENT_DIR,
+                             capture_output=True, check=True, timeout=60).stdout
+        lines = out.split(b"\n")
+        self.assertEqual(lines[-1], b"", out)
+        msgs = [json.loads(line) for line in lines[:-1]]
+        self.assertEqual([m["type"] for m in msgs], list(requests))
+        self.assertEqual(set(requests), {"progress", "query", "peer_stop", "saved", "skipped"})
+        for line, m in zip(lines, msgs):
+            with self.subTest(kind=m["type"]):
+                self.assertIsInstance(m, dict)
+                self.assertEqual(list(m), ["type", *requests[m["type"]]])
+                self.assertLess(len(line) + 1, er.MESSAGE_BYTES_MAX)
+                for field in requests[m["type"]]:
+                    v = m[field]
+                    if field == "rank":
+                        self.assertTrue(type(v) is int and 0 <= v < er.WORLD_SIZE_MAX, v)
+                    elif field == "step":
+                        self.assertTrue(type(v) is int and 0 <= v <= er.STEP_MAX, v)
+                    else:
+                        self.assertIsInstance(v, str)
+                        self.assertTrue(v)
+        # Built by the client's own builders and encoding, not copies.
+        self.assertEqual(out, b"".join(er.protocol._encode(m) for m in er.protocol._sample_messages()))
+        # The other command and the usage are as they were.
+        env = subprocess.run([sys.executable, "-m", "elastic_run", "env"], cwd=CLIENT_DIR, capture_output=True,
+                             check=True, timeout=60, env={**os.environ, "ELASTIC_GENERATION": "4"}).stdout
+        self.assertEqual(json.loads(env)["ELASTIC_GENERATION"], "4")
+        bad = subprocess.run([sys.executable, "-m", "elastic_run", "--nope"], cwd=CLIENT_DIR, capture_output=True,
+                             timeout=60)
+        self.assertEqual((bad.returncode, bad.stdout), (2, b""))
+        self.assertIn(b"--print-sample-messages", bad.stderr)
+
+    def test_every_request_the_client_sends_is_a_protocol_kind_built_by_its_builder(self):
+        torch = self.torch
+        path = os.path.join(self.tmp.name, "a.sock")
+        agent = FakeAgent(path)
+        self.addCleanup(agent.close)
+        staging = os.path.join(self.tmp.name, "staging")
+        self.env(ELASTIC_AGENT_SOCKET=path, ELASTIC_STAGING_DIR=staging, RANK=0, LOCAL_RANK=0, WORLD_SIZE=1)
+        er.report_progress(1, force=True)
+        er.should_stop(1)
+        with mock.patch.object(er._distributed, "_all_reduce_max", lambda v: [1, v[1]]):
+            self.assertTrue(er.should_stop(2))
+        model = torch.nn.Linear(2, 2)
+        er.save(3, model=model)
+        er.async_save(4, model=model).wait()
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        with mock.patch.object(er._save, "_write_safetensors", full), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.assertIsNone(er.save(5, model=model))
+        kinds = [r["type"] for r in agent.requests]
+        self.assertEqual(kinds, ["progress", "query", "query", "peer_stop", "saved", "saved", "skipped"])
+        self.assertEqual(set(kinds), set(er.protocol.REQUESTS))
+        for r in agent.requests:
+            with self.subTest(request=r):
+                fields = er.protocol.REQUESTS[r["type"]]
+                self.assertEqual(list(r), ["type", *fields])
+                build = getattr(er.protocol, "_msg_" + r["type"])
+                self.assertEqual(build(*(r[f] for f in fields)), r)
 
 
 if __name__ == "__main__":
