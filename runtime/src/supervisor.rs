@@ -1,4 +1,4 @@
-//! Worker supervision: start `nproc` workers, watch them, restart or stop them.
+//! Worker supervision: start one group of `nproc` workers, watch it, stop it.
 //!
 //! - Each worker runs in its own process group and gets `PR_SET_PDEATHSIG=SIGKILL`, so an
 //!   agent killed with SIGKILL takes its workers with it. The death signal fires when the
@@ -7,12 +7,12 @@
 //! - Stopping a group is SIGTERM to every worker's process group, `stop_grace`, then SIGKILL to
 //!   every group (which also reaches grandchildren such as data-loader workers), and every
 //!   worker is reaped.
-//! - A worker failure restarts the whole group, up to `max_restarts`
-//!   (`TORCHELASTIC_RESTART_COUNT` counts them). A hang (no `progress` message for
-//!   `hang_timeout`) is a failure too.
-//! - The membership layer drives the supervisor through [`Command`]s: a new generation stops
-//!   the workers and starts them with new ranks without counting as a restart; a drain waits
-//!   for the workers to save and exit until a deadline.
+//! - A worker failure ends the group ([`Outcome::Failed`]); a hang (no `progress` message for
+//!   `hang_timeout`) is a failure too. Whether it restarts, with which generation and which
+//!   `TORCHELASTIC_RESTART_COUNT`, is the agent's decision (`agent::decide`), as is every
+//!   new generation: the supervisor runs one group of one generation.
+//! - The agent drives a running group through [`Command`]s: stop it, forward a signal, or
+//!   drain it (wait for the workers to save and exit until a deadline).
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
@@ -41,7 +41,6 @@ const PUMP_DRAIN_MS: u64 = 1_000;
 pub struct SupervisorConfig {
     /// The worker command line, program first.
     pub argv: Vec<String>,
-    pub max_restarts: u32,
     /// How often the drain deadline and the hang watchdog are checked.
     pub monitor_interval: Duration,
     pub hang_timeout: Option<Duration>,
@@ -51,18 +50,11 @@ pub struct SupervisorConfig {
     pub stop_grace: Duration,
     /// Whether the agent's own environment sets `OMP_NUM_THREADS`.
     pub omp_num_threads_set: bool,
-    /// `TORCHELASTIC_RESTART_COUNT` of the first group: restarts the caller already made.
-    /// Restarts here continue from it, and stop once it reaches `max_restarts` (an agent that
-    /// restarts groups itself passes `max_restarts: 0`).
-    pub first_restart: u32,
 }
 
 /// What the agent (or the membership layer) asks of a running supervisor.
 #[derive(Debug, Clone)]
 pub enum Command {
-    /// Stop the workers and start them again with this generation's ranks and scaling. Does not
-    /// count against `max_restarts`.
-    NewGeneration(GenerationView),
     /// The workers were asked to stop through the socket: wait for them to exit until
     /// `deadline`, then stop them. With `sigterm_now`, SIGTERM them at once (workers that do not
     /// speak the protocol).
@@ -83,31 +75,10 @@ pub enum Outcome {
     Succeeded,
     /// A drain ended; `clean` when every worker exited 0 before the deadline.
     Drained { clean: bool },
-    /// A failure with no restarts left.
+    /// A worker failed or the group hung.
     Failed(WorkerFailure),
     /// [`Command::Stop`], or the command channel closed.
     Stopped,
-}
-
-/// Counts and logs a restart of the worker group after `failure` (restart number `restart`).
-pub(crate) fn note_restart(
-    state: &AgentState,
-    failure: &WorkerFailure,
-    restart: u32,
-    max_restarts: u32,
-) {
-    state
-        .metrics
-        .worker_restarts_total
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    tracing::warn!(
-        rank = failure.rank,
-        exit_code = failure.exit_code,
-        restart,
-        max_restarts,
-        "worker failed; restarting the group: {}",
-        failure.message.lines().last().unwrap_or("")
-    );
 }
 
 /// The failure that ended a job: which worker, its exit code and what it said.
@@ -136,83 +107,64 @@ impl std::fmt::Display for WorkerFailure {
     }
 }
 
-/// Runs worker groups until they succeed, fail with no restarts left, drain or are stopped.
+/// Runs one worker group of `view` until it succeeds, fails, drains or is stopped;
+/// `restart_count` is its `TORCHELASTIC_RESTART_COUNT`.
 pub async fn run(
     cfg: SupervisorConfig,
     spec: WorkerSpec,
-    mut view: GenerationView,
+    view: GenerationView,
+    restart_count: u32,
     state: Arc<AgentState>,
     mut commands: mpsc::Receiver<Command>,
 ) -> Outcome {
-    let mut restarts: u32 = cfg.first_restart;
+    let restarts = restart_count;
     let mut drain_deadline: Option<Instant> = None;
-    loop {
-        let span = tracing::info_span!("generation", generation = view.generation, restarts);
-        let (end, group) = match run_group(
-            &cfg,
-            &spec,
-            &view,
+    let span = tracing::info_span!("group", restarts);
+    let (end, group) = match run_group(
+        &cfg,
+        &spec,
+        &view,
+        restarts,
+        &state,
+        &mut commands,
+        &mut drain_deadline,
+    )
+    .instrument(span)
+    .await
+    {
+        Ok(r) => r,
+        Err(failure) => return Outcome::Failed(failure),
+    };
+    match end {
+        GroupEnd::AllSucceeded if drain_deadline.is_some() => Outcome::Drained { clean: true },
+        GroupEnd::AllSucceeded => Outcome::Succeeded,
+        GroupEnd::Stop => Outcome::Stopped,
+        GroupEnd::DrainTimedOut => {
+            tracing::warn!("drain deadline passed; workers were stopped");
+            Outcome::Drained { clean: false }
+        }
+        GroupEnd::Failed { local_rank, status } if drain_deadline.is_some() => {
+            let f = group.failure(local_rank, status, &view, restarts);
+            tracing::warn!(
+                rank = f.rank,
+                exit_code = f.exit_code,
+                "a worker failed while draining: {}",
+                f.message.lines().last().unwrap_or("")
+            );
+            Outcome::Drained { clean: false }
+        }
+        GroupEnd::Failed { local_rank, status } => {
+            Outcome::Failed(group.failure(local_rank, status, &view, restarts))
+        }
+        GroupEnd::Hung(limit) => Outcome::Failed(WorkerFailure {
+            rank: view.rank_offset,
+            local_rank: 0,
+            exit_code: 1,
+            message: format!(
+                "no worker reported progress for {limit:?}; the group was killed as hung"
+            ),
             restarts,
-            &state,
-            &mut commands,
-            &mut drain_deadline,
-        )
-        .instrument(span)
-        .await
-        {
-            Ok(r) => r,
-            Err(failure) => return Outcome::Failed(failure),
-        };
-
-        let failure = match end {
-            GroupEnd::AllSucceeded if drain_deadline.is_some() => {
-                return Outcome::Drained { clean: true };
-            }
-            GroupEnd::AllSucceeded => return Outcome::Succeeded,
-            GroupEnd::Stop => return Outcome::Stopped,
-            GroupEnd::DrainTimedOut => {
-                tracing::warn!("drain deadline passed; workers were stopped");
-                return Outcome::Drained { clean: false };
-            }
-            GroupEnd::Failed { local_rank, status } if drain_deadline.is_some() => {
-                let f = group.failure(local_rank, status, &view, restarts);
-                tracing::warn!(
-                    rank = f.rank,
-                    exit_code = f.exit_code,
-                    "a worker failed while draining: {}",
-                    f.message.lines().last().unwrap_or("")
-                );
-                return Outcome::Drained { clean: false };
-            }
-            GroupEnd::NewGeneration(v) => {
-                tracing::info!(
-                    generation = v.generation,
-                    "new generation; restarting workers"
-                );
-                view = *v;
-                continue;
-            }
-            GroupEnd::Failed { local_rank, status } => {
-                group.failure(local_rank, status, &view, restarts)
-            }
-            GroupEnd::Hung(limit) => WorkerFailure {
-                rank: view.rank_offset,
-                local_rank: 0,
-                exit_code: 1,
-                message: format!(
-                    "no worker reported progress for {limit:?}; the group was killed as hung"
-                ),
-                restarts,
-            },
-        };
-        if restarts >= cfg.max_restarts {
-            return Outcome::Failed(failure);
-        }
-        restarts += 1;
-        note_restart(&state, &failure, restarts, cfg.max_restarts);
-        if let Some(r) = state.resume() {
-            view.resume = Some(r);
-        }
+        }),
     }
 }
 
@@ -259,7 +211,6 @@ async fn run_group(
             }
             cmd = commands.recv() => match cmd {
                 None | Some(Command::Stop) => break GroupEnd::Stop,
-                Some(Command::NewGeneration(v)) => break GroupEnd::NewGeneration(Box::new(v)),
                 Some(Command::Signal(sig)) => group.signal(sig),
                 Some(Command::Drain { deadline, sigterm_now }) => {
                     tracing::info!(sigterm_now, grace_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64, "draining workers");
@@ -295,7 +246,6 @@ enum GroupEnd {
     AllSucceeded,
     Failed { local_rank: u32, status: ExitStatus },
     Hung(Duration),
-    NewGeneration(Box<GenerationView>),
     DrainTimedOut,
     Stop,
 }
@@ -608,16 +558,14 @@ mod tests {
         }
     }
 
-    fn cfg(script: &str, max_restarts: u32) -> SupervisorConfig {
+    fn cfg(script: &str) -> SupervisorConfig {
         SupervisorConfig {
             argv: vec!["sh".into(), "-c".into(), script.into()],
-            max_restarts,
             monitor_interval: Duration::from_millis(20),
             hang_timeout: None,
             startup_timeout: Duration::from_millis(300),
             stop_grace: Duration::from_secs(2),
             omp_num_threads_set: false,
-            first_restart: 0,
         }
     }
 
@@ -626,9 +574,10 @@ mod tests {
         let f = fixture();
         let (_tx, rx) = mpsc::channel(4);
         let out = run(
-            cfg("exit 0", 0),
+            cfg("exit 0"),
             spec(&f, 3, 0),
             view(3),
+            0,
             f.state.clone(),
             rx,
         )
@@ -637,10 +586,10 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn failing_worker_is_restarted_then_fails_with_its_code_and_stderr() {
+    async fn a_failing_worker_ends_the_group_with_its_code_stderr_and_restart_count() {
         let f = fixture();
         let marker = f.dir.path().join("attempts");
-        // Rank 1 fails every attempt; each attempt appends its restart count.
+        // Rank 1 fails at once and records the restart count it was given; rank 0 sleeps.
         let script = format!(
             "if [ \"$LOCAL_RANK\" = 1 ]; then echo \"$TORCHELASTIC_RESTART_COUNT\" >> {m}; echo \"bad thing on $RANK\" >&2; exit 7; fi; sleep 30",
             m = marker.display()
@@ -648,9 +597,10 @@ mod tests {
         let (_tx, rx) = mpsc::channel(4);
         let t0 = Instant::now();
         let out = run(
-            cfg(&script, 2),
+            cfg(&script),
             spec(&f, 2, 2),
             view(2),
+            2,
             f.state.clone(),
             rx,
         )
@@ -660,8 +610,9 @@ mod tests {
         };
         assert_eq!((fail.rank, fail.exit_code, fail.restarts), (1, 7, 2));
         assert!(fail.message.contains("bad thing on 1"), "{}", fail.message);
-        assert_eq!(std::fs::read_to_string(&marker).unwrap(), "0\n1\n2\n");
-        // The sleeping rank 0 was stopped each time rather than waited for.
+        // One group only: restarting is the agent's decision.
+        assert_eq!(std::fs::read_to_string(&marker).unwrap(), "2\n");
+        // The sleeping rank 0 was stopped rather than waited for.
         assert!(t0.elapsed() < Duration::from_secs(20));
     }
 
@@ -671,7 +622,7 @@ mod tests {
         let script = r#"echo noise >&2; printf '{"message":{"message":"RuntimeError: from file","extraInfo":{"py_callstack":"","timestamp":"0"}}}' > "$TORCHELASTIC_ERROR_FILE"; exit 3"#;
         let (_tx, rx) = mpsc::channel(4);
         let Outcome::Failed(fail) =
-            run(cfg(script, 0), spec(&f, 1, 0), view(1), f.state.clone(), rx).await
+            run(cfg(script), spec(&f, 1, 0), view(1), 0, f.state.clone(), rx).await
         else {
             panic!()
         };
@@ -682,11 +633,11 @@ mod tests {
     #[tokio::test]
     async fn silent_group_is_killed_as_hung_and_counts_as_a_failure() {
         let f = fixture();
-        let mut c = cfg("sleep 30", 1);
+        let mut c = cfg("sleep 30");
         c.hang_timeout = Some(Duration::from_millis(300));
         let (_tx, rx) = mpsc::channel(4);
         let t0 = Instant::now();
-        let Outcome::Failed(fail) = run(c, spec(&f, 2, 1), view(2), f.state.clone(), rx).await
+        let Outcome::Failed(fail) = run(c, spec(&f, 2, 1), view(2), 1, f.state.clone(), rx).await
         else {
             panic!()
         };
@@ -700,34 +651,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn new_generation_restarts_with_new_ranks_without_using_a_restart() {
-        let f = fixture();
-        let log = f.dir.path().join("log");
-        // Generation 0 sleeps until replaced; generation 1 exits 0.
-        let script = format!(
-            "echo \"$ELASTIC_GENERATION $RANK $WORLD_SIZE $TORCHELASTIC_RESTART_COUNT\" >> {l}; \
-             if [ \"$ELASTIC_GENERATION\" = 0 ]; then sleep 30; fi",
-            l = log.display()
-        );
-        let (tx, rx) = mpsc::channel(4);
-        let state = f.state.clone();
-        let sup = tokio::spawn(run(cfg(&script, 0), spec(&f, 1, 0), view(1), state, rx));
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let mut next = view(4);
-        next.generation = 1;
-        next.rank_offset = 3;
-        tx.send(Command::NewGeneration(next)).await.unwrap();
-        assert_eq!(sup.await.unwrap(), Outcome::Succeeded);
-        assert_eq!(std::fs::read_to_string(&log).unwrap(), "0 0 1 0\n1 3 4 0\n");
-    }
-
-    #[tokio::test]
     async fn drain_past_its_deadline_stops_workers_that_ignore_sigterm() {
         let f = fixture();
         let (tx, rx) = mpsc::channel(4);
-        let mut c = cfg("trap '' TERM; sleep 30 & wait; sleep 30", 0);
+        let mut c = cfg("trap '' TERM; sleep 30 & wait; sleep 30");
         c.stop_grace = Duration::from_millis(200);
-        let sup = tokio::spawn(run(c, spec(&f, 2, 0), view(2), f.state.clone(), rx));
+        let sup = tokio::spawn(run(c, spec(&f, 2, 0), view(2), 0, f.state.clone(), rx));
         tokio::time::sleep(Duration::from_millis(200)).await;
         let t0 = Instant::now();
         tx.send(Command::Drain {
@@ -747,9 +676,10 @@ mod tests {
         let script = format!("sleep 60 & echo $! > {}; wait", pidfile.display());
         let (tx, rx) = mpsc::channel(4);
         let sup = tokio::spawn(run(
-            cfg(&script, 0),
+            cfg(&script),
             spec(&f, 1, 0),
             view(1),
+            0,
             f.state.clone(),
             rx,
         ));

@@ -14,8 +14,9 @@ use super::group::GroupEnd;
 use super::membership::{Membership, failure_counts, fenced_metrics, leave};
 use super::pipeline::{BETWEEN_GENERATIONS_FLUSH_MS, flush};
 use super::{Agent, FLUSH_TIMEOUT_MS};
+use crate::agent_socket::AgentState;
 use crate::notice;
-use crate::supervisor::{self, Outcome, WorkerFailure};
+use crate::supervisor::{Outcome, WorkerFailure};
 use crate::worker_env::GenerationView;
 
 impl Agent {
@@ -228,12 +229,7 @@ impl Agent {
             Action::Restart => {
                 self.restarts += 1;
                 let why = failure(&outcome).map(|f| {
-                    supervisor::note_restart(
-                        &self.node.state,
-                        f,
-                        self.restarts,
-                        self.node.max_restarts,
-                    );
+                    note_restart(&self.node.state, f, self.restarts, self.node.max_restarts);
                     f.to_string()
                 });
                 committer
@@ -258,4 +254,20 @@ fn failure(outcome: &Outcome) -> Option<&WorkerFailure> {
         Outcome::Failed(f) => Some(f),
         _ => None,
     }
+}
+
+/// Counts and logs a restart of the worker group after `failure` (restart number `restart`).
+fn note_restart(state: &AgentState, failure: &WorkerFailure, restart: u32, max_restarts: u32) {
+    state
+        .metrics
+        .worker_restarts_total
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tracing::warn!(
+        rank = failure.rank,
+        exit_code = failure.exit_code,
+        restart,
+        max_restarts,
+        "worker failed; restarting the group: {}",
+        failure.message.lines().last().unwrap_or("")
+    );
 }

@@ -54,13 +54,12 @@ impl Agent {
         } = self;
         let state = &node.state;
         let (cmd_tx, cmd_rx) = mpsc::channel(16);
-        let mut sup_cfg = node.sup_cfg.clone();
-        sup_cfg.first_restart = *restarts;
         let mut sup = tokio::spawn(
             supervisor::run(
-                sup_cfg,
+                node.sup_cfg.clone(),
                 node.spec.clone(),
                 view.clone(),
+                *restarts,
                 state.clone(),
                 cmd_rx,
             )

@@ -80,14 +80,11 @@ pub(super) async fn start(
     };
     let sup_cfg = SupervisorConfig {
         argv,
-        // The agent restarts groups itself (it must restore, and in etcd mode re-form).
-        max_restarts: 0,
         monitor_interval: cli.monitor_interval,
         hang_timeout: cli.hang_timeout,
         startup_timeout: cli.startup_timeout,
         stop_grace: Duration::from_millis(STOP_GRACE_MS),
         omp_num_threads_set: std::env::var_os("OMP_NUM_THREADS").is_some(),
-        first_restart: 0,
     };
 
     // Signals first: a SIGTERM from here on drains instead of killing the agent.

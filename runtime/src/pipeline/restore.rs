@@ -19,7 +19,6 @@
 //! looks complete. Only the step restored last is kept (restores live in `/dev/shm`, memory).
 
 use std::collections::BTreeSet;
-use std::io::Write;
 use std::ops::Range;
 use std::path::Path;
 
@@ -361,35 +360,14 @@ pub(super) fn rank_files_present(dir: &Path, rank: u32) -> bool {
 }
 
 pub(super) fn sync_dir(dir: &Path) -> Result<(), SinkError> {
-    std::fs::File::open(dir)
-        .and_then(|f| f.sync_all())
-        .map_err(io("fsync", dir))
+    checkpoint::durable::fsync_dir(dir).map_err(|e| SinkError::Durable(Box::new(e)))
 }
 
-/// Temp file (0600), fsync, rename, fsync the directory.
+/// Temp file (0600), fsync, rename, fsync the directory: the checkpoint crate's durable
+/// write, which also refuses a symlink where the file belongs.
 pub(super) fn write_durable(path: &Path, bytes: &[u8]) -> Result<(), SinkError> {
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        // A leftover temp file keeps its old mode through open: set it.
-        f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
-        f.write_all(bytes)?;
-        f.sync_all()
-    };
-    write().map_err(io("write", &tmp))?;
-    std::fs::rename(&tmp, path).map_err(io("rename", &tmp))?;
-    sync_dir(dir)
+    checkpoint::durable::write_file_durable(path, bytes)
+        .map_err(|e| SinkError::Durable(Box::new(e)))
 }
 
 pub(super) fn read_marker(dir: &Path) -> Option<Restored> {

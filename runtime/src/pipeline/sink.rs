@@ -171,6 +171,9 @@ pub enum SinkError {
     },
     #[error("{path}: {reason}")]
     Local { path: PathBuf, reason: String },
+    /// A durable local write (restore marker, rank metadata) failed; the error names the path.
+    #[error(transparent)]
+    Durable(Box<checkpoint::Error>),
     #[error("{op} cancelled")]
     Cancelled { op: String },
 }
