@@ -16,7 +16,7 @@ use checkpoint::{
 };
 use futures::{StreamExt, TryStreamExt};
 use object_store::{ObjectStoreExt, PutPayload};
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 
 const CHUNK_BYTES: usize = 32 * 1024 * 1024;
 const CONCURRENCY: usize = 4;

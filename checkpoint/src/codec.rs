@@ -216,7 +216,7 @@ fn unzstd(src: &[u8], len: usize) -> Result<Vec<u8>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{Rng, SeedableRng};
+    use rand::{RngExt, SeedableRng};
 
     /// Float-like bytes: a narrow normal-ish distribution, so exponent planes are compressible.
     fn weights(n_elems: usize, width: u8, seed: u64) -> Vec<u8> {

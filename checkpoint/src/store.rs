@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
-use rand::Rng;
+use rand::RngExt;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result, StoreErrorKind, redact_userinfo};

@@ -12,7 +12,7 @@ use checkpoint::{
     CancellationToken, CommitOutcome, CommitRequest, PartInput, PartSource, ReadOptions,
     RetentionPolicy, SaveOptions, Store, split_by_bytes,
 };
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 

@@ -392,7 +392,7 @@ async fn save_rejects_shape_and_dtype_disagreeing_with_byte_count() {
 /// manifest and header must give errors, never panics (replay a failure from its seed).
 #[tokio::test]
 async fn mutated_manifests_and_headers_never_panic() {
-    use rand::{Rng, SeedableRng};
+    use rand::{RngExt, SeedableRng};
     let (mem, _store) = two_steps().await;
     let manifest = get_raw(&mem, "steps/00000000000000000002/manifest.json").await;
     let file = common::two_files()[0].1.clone();

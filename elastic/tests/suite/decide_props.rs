@@ -8,7 +8,7 @@ use elastic::core::{
     decide,
 };
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 
 const CASES: usize = 20_000;
 

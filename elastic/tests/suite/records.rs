@@ -7,7 +7,7 @@ use elastic::record::{
 };
 use elastic::scaling::{OnIndivisible, ScalingConfig, ScalingMode};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 
 const KEY: &str = "/elastic-run/job/ctl/generation";
 
