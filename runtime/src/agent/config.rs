@@ -1,4 +1,7 @@
-//! The agent's configuration from the command line.
+//! The agent's configuration from the command line: the membership mode, the scaling and
+//! rendezvous configurations, how to reach etcd (TLS, auth), the worker command line, and
+//! the defaults (node id, address, `--nproc-per-node`). Everything a user can get wrong is a
+//! [`UsageError`] (exit 2).
 
 use anyhow::{Result, bail};
 use elastic::RendezvousConfig;
@@ -191,7 +194,7 @@ pub const ETCD_PASSWORD_ENV: &str = "ELASTIC_ETCD_PASSWORD";
 pub const ETCDCTL_USER_ENV: &str = "ETCDCTL_USER";
 pub const ETCDCTL_PASSWORD_ENV: &str = "ETCDCTL_PASSWORD";
 /// Largest PEM file read for `cacert`, `cert` or `key`.
-pub(super) const PEM_BYTES_MAX: u64 = 1 << 20;
+const PEM_BYTES_MAX: u64 = 1 << 20;
 
 /// How to reach etcd: the `--rdzv-endpoint` list and the `--rdzv-conf` keys torchrun's etcd
 /// backend uses, `protocol` (`http`, `https`), `cacert` (the CA that signed etcd's server
@@ -208,7 +211,7 @@ pub fn etcd_connect(
     etcd_connect_from(endpoints, conf, |k| std::env::var(k).ok())
 }
 
-pub(super) fn etcd_connect_from(
+fn etcd_connect_from(
     endpoints: &str,
     conf: &crate::cli::RdzvConf,
     env: impl Fn(&str) -> Option<String>,
@@ -363,7 +366,7 @@ pub fn explain_etcd_error(
 
 /// Reads one PEM file named by `--rdzv-conf KEY=PATH`, bounded; its contents never appear in
 /// errors.
-pub(super) fn read_pem(key: &str, path: &str) -> Result<Vec<u8>> {
+fn read_pem(key: &str, path: &str) -> Result<Vec<u8>> {
     let bad = |why: String| usage(format!("--rdzv-conf {key}={path}: {why}"));
     let f = std::fs::File::open(path).map_err(|e| bad(format!("cannot open it: {e}")))?;
     let mut bytes = Vec::new();
@@ -379,7 +382,7 @@ pub(super) fn read_pem(key: &str, path: &str) -> Result<Vec<u8>> {
 }
 
 /// etcd's user and password from the environment (see [`etcd_connect`]).
-pub(super) fn etcd_auth_from_env(
+fn etcd_auth_from_env(
     env: &impl Fn(&str) -> Option<String>,
 ) -> Result<Option<elastic::etcd::Auth>> {
     let nonempty = |k: &str| env(k).filter(|v| !v.is_empty());
@@ -634,7 +637,7 @@ pub fn split_endpoints(list: &str) -> Vec<String> {
 }
 
 /// This host's name when it resolves to an address, else the loopback address.
-pub(super) fn default_local_addr() -> String {
+fn default_local_addr() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let host = host.trim();
     if !host.is_empty()
@@ -690,7 +693,7 @@ pub(super) fn resolve_nproc(n: NProc) -> Result<u32> {
 }
 
 /// GPUs the workers could use: `CUDA_VISIBLE_DEVICES` when set, else the NVIDIA driver's list.
-pub(super) fn visible_gpus() -> u32 {
+fn visible_gpus() -> u32 {
     if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
         return v
             .split(',')

@@ -1,4 +1,6 @@
-//! Run and staging directories.
+//! The agent's directories: the private run dir (socket, error files) and the staging dir
+//! (`/dev/shm`), made 0700 without following symlinks, and removed only where the agent made
+//! them.
 
 use std::path::{Path, PathBuf};
 
@@ -127,7 +129,7 @@ impl Drop for Staging {
 /// Makes `dir` (mode 0700; its parent must already be checked), or finds it; either way it
 /// must then be a real directory of this user. Returns whether it was made here. mkdir does
 /// not follow a symlink in the last component, so a planted one is found, not followed.
-pub(super) fn make_own_dir(dir: &Path) -> Result<bool> {
+fn make_own_dir(dir: &Path) -> Result<bool> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     let made = match std::fs::DirBuilder::new().mode(0o700).create(dir) {
         Ok(()) => true,
@@ -148,7 +150,7 @@ pub(super) fn make_own_dir(dir: &Path) -> Result<bool> {
 }
 
 /// `dir` must be a real directory (not a symlink) owned by this process's effective user.
-pub(super) fn check_own_dir(dir: &Path) -> Result<()> {
+fn check_own_dir(dir: &Path) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
     let m =
         std::fs::symlink_metadata(dir).with_context(|| format!("staging dir {}", dir.display()))?;
@@ -175,20 +177,20 @@ pub(super) fn check_own_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-pub(super) fn euid() -> u32 {
+fn euid() -> u32 {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() }
 }
 
 /// Whether `p` is a real directory of this user (not a symlink to one).
-pub(super) fn is_own_real_dir(p: &Path) -> bool {
+fn is_own_real_dir(p: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir() && m.uid() == euid())
 }
 
 /// `remove_dir_all`, only when `p` itself is a real directory of this user (std's
 /// remove_dir_all does not follow symlinks below it).
-pub(super) fn remove_own_dir_all(p: &Path) {
+fn remove_own_dir_all(p: &Path) {
     if is_own_real_dir(p) {
         let _ = std::fs::remove_dir_all(p);
     }
@@ -217,7 +219,7 @@ pub(super) fn remove_inside_staging(staging: &Path, p: &Path) {
     let _ = std::fs::remove_dir_all(p);
 }
 
-pub(super) fn sanitize(s: &str) -> String {
+fn sanitize(s: &str) -> String {
     s.chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() || "-_.".contains(c) {

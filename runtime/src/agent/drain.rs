@@ -1,4 +1,6 @@
-//! Drains.
+//! Drains: this node's (a signal or a preemption notice; announced to peers first) or a
+//! peer's. Workers that speak the protocol hear `should_stop` and save; the others get
+//! SIGTERM at once; at the deadline the group is stopped.
 
 use std::time::{Duration, Instant};
 
@@ -9,7 +11,7 @@ use super::membership::Membership;
 use crate::supervisor::Command;
 
 /// Part of `--preemption-grace` kept back for SIGTERM → SIGKILL at the end of a drain.
-pub(super) const DRAIN_KILL_WINDOW_MAX_MS: u64 = 5_000;
+const DRAIN_KILL_WINDOW_MAX_MS: u64 = 5_000;
 
 /// A drain in progress.
 #[derive(Debug, Clone, Copy)]

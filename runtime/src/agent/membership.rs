@@ -1,4 +1,7 @@
-//! Membership.
+//! The job's membership as this node follows it: one fixed view (standalone, static) or an
+//! etcd member ([`EtcdMember`]) that joins, rejoins after a fence, reports commits, waits for
+//! the next generation that includes this node, tells a worker failure from a membership
+//! change, and leaves.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -19,10 +22,10 @@ use crate::scaling;
 use crate::worker_env::GenerationView;
 
 /// Added to lease TTL + settle while a node whose workers failed waits for a membership change.
-pub(super) const FAILURE_SETTLE_EXTRA_MS: u64 = 1_000;
+const FAILURE_SETTLE_EXTRA_MS: u64 = 1_000;
 /// Pause between attempts to join again after a fence, and how long it keeps trying.
-pub(super) const REJOIN_PAUSE_MS: u64 = 1_000;
-pub(super) const REJOIN_DEADLINE_MS: u64 = 30 * 60_000;
+const REJOIN_PAUSE_MS: u64 = 1_000;
+const REJOIN_DEADLINE_MS: u64 = 30 * 60_000;
 
 /// The job's membership as this node follows it.
 pub(super) enum Membership {
@@ -196,7 +199,7 @@ pub(super) async fn wait_generation(
 }
 
 /// This node's view of an etcd generation.
-pub(super) fn generation_view(node: &Node, g: &Generation) -> Result<GenerationView> {
+fn generation_view(node: &Node, g: &Generation) -> Result<GenerationView> {
     let Some((rank, me)) = g.member(&node.node_id) else {
         bail!("generation {} does not include this node", g.number);
     };
@@ -277,7 +280,7 @@ pub(super) async fn leave(membership: &mut Membership) -> u8 {
     }
 }
 
-pub(super) async fn leave_etcd(m: &mut EtcdMember) -> u8 {
+async fn leave_etcd(m: &mut EtcdMember) -> u8 {
     if let Some(h) = m.handle.take()
         && let Err(e) = h.leave().await
     {

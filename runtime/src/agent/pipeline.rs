@@ -1,4 +1,6 @@
-//! The commit pipeline.
+//! The agent's end of the commit pipeline: complete steps from the tracker go into a bounded
+//! queue ([`Committer`]) that one task commits in order through the sink; a step a worker
+//! could not stage is given up in the store so that no node waits for it.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
