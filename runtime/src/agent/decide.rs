@@ -228,7 +228,8 @@ pub fn after_group(a: &AfterGroup) -> Decision {
 pub fn restore_is_retryable(e: &crate::pipeline::SinkError) -> bool {
     use crate::pipeline::SinkError as E;
     match e {
-        E::Cancelled { .. } | E::InvalidInput(_) => false,
+        // A panicked task is a bug: trying again runs the same code on the same bytes.
+        E::Cancelled { .. } | E::InvalidInput(_) | E::TaskFailed { .. } => false,
         E::Restore { source, .. } => !source.is_integrity(),
         _ => true,
     }
@@ -268,5 +269,9 @@ mod tests {
         assert!(!restore_is_retryable(&restore(corrupt)));
         assert!(!restore_is_retryable(&E::Cancelled { op: "x".into() }));
         assert!(!restore_is_retryable(&E::InvalidInput("x".into())));
+        assert!(!restore_is_retryable(&E::TaskFailed {
+            task: "local file",
+            message: "panicked".into()
+        }));
     }
 }

@@ -176,6 +176,9 @@ pub enum SinkError {
     Durable(Box<checkpoint::Error>),
     #[error("{op} cancelled")]
     Cancelled { op: String },
+    /// A blocking task panicked or was cancelled: not bad input, not a store error.
+    #[error("{task} task failed: {message}")]
+    TaskFailed { task: &'static str, message: String },
 }
 
 impl SinkError {
@@ -303,9 +306,9 @@ pub(super) async fn blocking<T: Send + 'static>(
 ) -> Result<T, SinkError> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| SinkError::Local {
-            path: PathBuf::new(),
-            reason: format!("local file task failed: {e}"),
+        .map_err(|e| SinkError::TaskFailed {
+            task: "local file",
+            message: e.to_string(),
         })?
 }
 
