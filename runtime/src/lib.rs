@@ -7,11 +7,15 @@
 //!   restarts, drains, checkpoint hand-off. [`signals`] and [`notice`] (cloud preemption
 //!   notices) start its drain; [`logging`] sets up `tracing`; [`events`] writes the
 //!   `--events-file` log that tools follow.
-//! - [`cli`]: the command line, torchrun's flags (and `PET_*` variables) plus elastic-run's.
-//!   [`status`]: `elastic-run status`.
-//! - [`scaling`]: the workers' view of the `elastic` crate's scaling policy.
+//! - [`cli`]: the command line, torchrun's flags (and `PET_*` variables) plus elastic-run's,
+//!   split into the flags (`cli/mod.rs`), their value types (`values.rs`), the store options
+//!   (`store.rs`) and the scaling flags (`scaling.rs`, read into the `elastic` crate's
+//!   [`elastic::ScalingConfig`]). [`status`]: `elastic-run status`.
 //! - [`worker_env`]: the environment contract every worker starts with, a pure function of a
-//!   [`worker_env::WorkerSpec`] and a [`worker_env::GenerationView`].
+//!   [`worker_env::WorkerSpec`] and a [`worker_env::GenerationView`]. The scaling policy and
+//!   its `ELASTIC_*` variables are the `elastic` crate's ([`elastic::scaling`]): standalone
+//!   and static runs decide with it here, etcd runs take the leader's decision from the
+//!   generation record.
 //! - [`supervisor`]: starts, watches and stops the workers of one node (process groups,
 //!   `PR_SET_PDEATHSIG`, hang watchdog); [`output`] prefixes their lines with the rank.
 //! - [`agent_socket`]: the agent ↔ worker Unix-socket protocol and its server.
@@ -33,7 +37,6 @@ pub mod logging;
 pub mod metrics;
 pub mod notice;
 pub mod output;
-pub mod scaling;
 pub mod signals;
 pub mod status;
 pub mod store_sink;
