@@ -162,9 +162,9 @@ fn expected_scaling(s: &Scenario, world: u64) -> Option<elastic::ScalingDecision
     let mode = s.lr_scaling.parse().ok()?;
     let cfg = elastic::ScalingConfig {
         mode,
-        per_worker_batch: s.batch_size,
+        per_worker_batch: Some(s.batch_size),
         base_world_size: u64::from(s.base_world()),
-        base_lr: 0.05,
+        base_lr: Some(0.05),
         global_batch: s.global_batch,
         on_indivisible: elastic::OnIndivisible::Nearest,
         warmup_steps: None,
@@ -387,10 +387,10 @@ pub fn check(s: &Scenario, events: &[Value], fired: &[Fired], o: &Outcome) -> Ve
         let global = g["global_batch"].as_u64();
         if (scale - want.lr_scale).abs() > 1e-9
             || accum != want.grad_accum_steps
-            || global != Some(want.global_batch)
+            || global != want.global_batch
         {
             bad.push(format!(
-                "generation {} world {world}: lr x{scale} accum {accum} global {global:?}, expected lr x{} accum {} global {}",
+                "generation {} world {world}: lr x{scale} accum {accum} global {global:?}, expected lr x{} accum {} global {:?}",
                 g["generation"], want.lr_scale, want.grad_accum_steps, want.global_batch
             ));
         }

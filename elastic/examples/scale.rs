@@ -92,9 +92,9 @@ async fn main() -> Result<(), BoxError> {
     }
     let scaling = ScalingConfig {
         mode: ScalingMode::Linear,
-        per_worker_batch: 32,
+        per_worker_batch: Some(32),
         base_world_size: members as u64 * 8,
-        base_lr: 0.1,
+        base_lr: Some(0.1),
         global_batch: None,
         on_indivisible: OnIndivisible::Nearest,
         warmup_steps: None,

@@ -29,6 +29,10 @@ pub enum Error {
     /// The scaling inputs are inconsistent (zero batch, zero world size, ...).
     #[error("invalid scaling input: {reason}")]
     InvalidScaling { reason: String },
+    /// `fixed` scaling splits the global batch into per-worker batches, so it needs the
+    /// per-worker batch (the runtime's `--batch-size`).
+    #[error("--lr-scaling fixed needs --batch-size (and optionally --global-batch)")]
+    FixedNeedsBatch,
     /// `fixed` scaling was asked to refuse a global batch that the world size cannot divide.
     #[error(
         "global batch {global_batch} is not divisible by per-worker batch {per_worker_batch} x world size {world_size} (x any grad-accumulation steps); refusing as configured"

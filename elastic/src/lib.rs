@@ -4,8 +4,9 @@
 //!
 //! - [`core`]: the pure decision core. Time and observations in, a [`Decision`] and its
 //!   [`Reason`] out; no etcd, no clock reads. Driven by the table in `testdata/decide.json`.
-//! - [`scaling`]: the pure scaling policy (LR scale, global batch, grad accumulation, warm-up)
-//!   and the `ELASTIC_*` variables it exports.
+//! - [`scaling`]: the pure scaling policy (LR scale, global batch, grad accumulation, warm-up),
+//!   with the per-worker batch and base LR possibly unknown, and the `ELASTIC_*` variables it
+//!   exports (only the values it knows; the runtime writes no others).
 //! - [`record`]: the versioned JSON records stored in etcd ([`Generation`] and friends) and
 //!   their never-panicking parsers.
 //! - [`keys`]: the etcd key layout under `/elastic-run/<job>/`, and why it keeps no garbage.

@@ -10,6 +10,10 @@
 //!   fewer accumulation steps) and says so in `note`; `Refuse` returns [`Error::Indivisible`].
 //! - Warm-up: when the LR differs from the previous generation's (or from the base LR for the
 //!   first generation), `warmup_steps` ramps it in over the configured steps; otherwise 0.
+//!
+//! The per-worker batch and the base LR may be unknown (`None`: the user did not give them).
+//! Then so are the decision's batches and LR, and [`ScalingDecision::env`] leaves their
+//! variables out; `fixed` needs the batch ([`Error::FixedNeedsBatch`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -22,25 +26,48 @@ pub const PER_WORKER_BATCH_MAX: u64 = 1 << 20;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ScalingMode {
+    /// LR x W/W0.
     Linear,
+    /// LR x sqrt(W/W0).
     Sqrt,
+    /// LR untouched.
     None,
+    /// Keep the global batch: grad accumulation changes, LR untouched.
     Fixed,
+}
+
+impl ScalingMode {
+    /// Every mode, in the order help texts list them.
+    pub const ALL: [ScalingMode; 4] = [Self::Linear, Self::Sqrt, Self::None, Self::Fixed];
+
+    /// The name [`FromStr`](std::str::FromStr) reads and [`Display`](std::fmt::Display)
+    /// writes (as in the records).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Linear => "linear",
+            Self::Sqrt => "sqrt",
+            Self::None => "none",
+            Self::Fixed => "fixed",
+        }
+    }
+}
+
+impl std::fmt::Display for ScalingMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl std::str::FromStr for ScalingMode {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "linear" => Ok(Self::Linear),
-            "sqrt" => Ok(Self::Sqrt),
-            "none" => Ok(Self::None),
-            "fixed" => Ok(Self::Fixed),
-            other => Err(Error::InvalidConfig {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| Error::InvalidConfig {
                 field: "lr_scaling",
-                reason: format!("{other:?} is not one of linear, sqrt, none, fixed"),
-            }),
-        }
+                reason: format!("{s:?} is not one of linear, sqrt, none, fixed"),
+            })
     }
 }
 
@@ -48,19 +75,56 @@ impl std::str::FromStr for ScalingMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OnIndivisible {
+    /// Use the nearest valid configuration, and say so in the decision's `note`.
     Nearest,
+    /// Refuse the world size ([`Error::Indivisible`]).
     Refuse,
+}
+
+impl OnIndivisible {
+    /// Both choices, in the order help texts list them.
+    pub const ALL: [OnIndivisible; 2] = [Self::Nearest, Self::Refuse];
+
+    /// The name [`FromStr`](std::str::FromStr) reads and [`Display`](std::fmt::Display)
+    /// writes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Nearest => "nearest",
+            Self::Refuse => "refuse",
+        }
+    }
+}
+
+impl std::fmt::Display for OnIndivisible {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for OnIndivisible {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| Error::InvalidConfig {
+                field: "on_indivisible",
+                reason: format!("{s:?} is not one of nearest, refuse"),
+            })
+    }
 }
 
 /// The job-wide scaling configuration (fixed for the job's life).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScalingConfig {
     pub mode: ScalingMode,
-    /// Per-worker (per-process) batch `b`.
-    pub per_worker_batch: u64,
+    /// Per-worker (per-process) batch `b`; `None` when unknown (the decision's batches are
+    /// then unknown too; `fixed` refuses it).
+    pub per_worker_batch: Option<u64>,
     /// Base world size `W0` (processes) at which `base_lr` was tuned.
     pub base_world_size: u64,
-    pub base_lr: f64,
+    /// `None` when unknown: the decision's `lr` is then unknown too.
+    pub base_lr: Option<f64>,
     /// Global batch `B` for `fixed`; ignored otherwise.
     pub global_batch: Option<u64>,
     pub on_indivisible: OnIndivisible,
@@ -68,34 +132,59 @@ pub struct ScalingConfig {
     pub warmup_steps: Option<u64>,
 }
 
-/// The scaling for one generation. Travels in the generation record; workers read it from
-/// the `ELASTIC_*` environment.
+/// The scaling for one generation. Travels in the generation record (unknown values as
+/// `null`); workers read it from the `ELASTIC_*` environment ([`ScalingDecision::env`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScalingDecision {
     pub lr_scale: f64,
-    pub lr: f64,
-    pub global_batch: u64,
+    /// `base_lr x lr_scale`; `None` when the base LR is unknown.
+    pub lr: Option<f64>,
+    /// Per-worker batch x world x accumulation; `None` when the batch is unknown.
+    pub global_batch: Option<u64>,
     pub grad_accum_steps: u64,
-    pub per_worker_batch: u64,
+    /// Per-worker batch (lowered by `fixed` when that makes the split exact); `None` when
+    /// unknown.
+    pub per_worker_batch: Option<u64>,
     pub warmup_steps: u64,
     /// Human-readable account of any adjustment; empty when none.
     pub note: String,
 }
 
 impl ScalingDecision {
-    /// The `ELASTIC_*` environment pairs the agent exports to workers.
+    /// No scaling: LR scale 1, no accumulation, no warm-up; batches and LR unknown.
+    pub fn identity() -> Self {
+        ScalingDecision {
+            lr_scale: 1.0,
+            lr: None,
+            global_batch: None,
+            grad_accum_steps: 1,
+            per_worker_batch: None,
+            warmup_steps: 0,
+            note: String::new(),
+        }
+    }
+
+    /// The `ELASTIC_*` scaling variables workers start with: the only place they are written.
+    /// Unknown values are left out rather than set empty. Numbers use Rust's round-trip
+    /// formatting (`0.1`, `2`).
     pub fn env(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("ELASTIC_LR_SCALE", self.lr_scale.to_string()),
-            ("ELASTIC_LR", self.lr.to_string()),
-            ("ELASTIC_GLOBAL_BATCH", self.global_batch.to_string()),
-            (
-                "ELASTIC_GRAD_ACCUM_STEPS",
-                self.grad_accum_steps.to_string(),
-            ),
-            ("ELASTIC_BATCH_SIZE", self.per_worker_batch.to_string()),
-            ("ELASTIC_WARMUP_STEPS", self.warmup_steps.to_string()),
-        ]
+        let mut env = vec![("ELASTIC_LR_SCALE", self.lr_scale.to_string())];
+        if let Some(lr) = self.lr {
+            env.push(("ELASTIC_LR", lr.to_string()));
+        }
+        if let Some(g) = self.global_batch {
+            env.push(("ELASTIC_GLOBAL_BATCH", g.to_string()));
+        }
+        // Workers divide by it: at least 1, whatever a record says.
+        env.push((
+            "ELASTIC_GRAD_ACCUM_STEPS",
+            self.grad_accum_steps.max(1).to_string(),
+        ));
+        if let Some(b) = self.per_worker_batch {
+            env.push(("ELASTIC_BATCH_SIZE", b.to_string()));
+        }
+        env.push(("ELASTIC_WARMUP_STEPS", self.warmup_steps.to_string()));
+        env
     }
 }
 
@@ -103,23 +192,28 @@ impl ScalingConfig {
     /// Checks the configuration alone (no world size).
     pub fn validate(&self) -> Result<()> {
         let bad = |reason: String| Err(Error::InvalidScaling { reason });
-        if self.per_worker_batch == 0 || self.per_worker_batch > PER_WORKER_BATCH_MAX {
+        if let Some(b) = self.per_worker_batch
+            && (b == 0 || b > PER_WORKER_BATCH_MAX)
+        {
             return bad(format!(
-                "per-worker batch {} outside 1..={PER_WORKER_BATCH_MAX}",
-                self.per_worker_batch
+                "per-worker batch {b} outside 1..={PER_WORKER_BATCH_MAX}"
             ));
         }
         if self.base_world_size == 0 {
             return bad("base world size is 0".into());
         }
-        if !(self.base_lr.is_finite() && self.base_lr >= 0.0) {
-            return bad(format!(
-                "base LR {} is not a finite non-negative number",
-                self.base_lr
-            ));
+        if let Some(lr) = self.base_lr
+            && !(lr.is_finite() && lr >= 0.0)
+        {
+            return bad(format!("base LR {lr} is not a finite non-negative number"));
         }
-        if self.mode == ScalingMode::Fixed && !matches!(self.global_batch, Some(b) if b > 0) {
-            return bad("fixed scaling needs a global batch above 0".into());
+        if self.mode == ScalingMode::Fixed {
+            if self.per_worker_batch.is_none() {
+                return Err(Error::FixedNeedsBatch);
+            }
+            if !matches!(self.global_batch, Some(b) if b > 0) {
+                return bad("fixed scaling needs a global batch above 0".into());
+            }
         }
         Ok(())
     }
@@ -137,14 +231,20 @@ impl ScalingConfig {
                 reason: "world size is 0".into(),
             });
         }
-        let b = self.per_worker_batch;
         let lr_scale = self.lr_scale(world_size);
         let (per_worker_batch, grad_accum_steps, global_batch, note) = match self.mode {
             ScalingMode::Fixed => {
+                let b = self.per_worker_batch.ok_or(Error::FixedNeedsBatch)?;
                 let target = self.global_batch.unwrap_or(0);
-                self.fixed_split(target, world_size)?
+                let (bp, accum, global, note) = self.fixed_split(b, target, world_size)?;
+                (Some(bp), accum, Some(global), note)
             }
-            _ => (b, 1, b.saturating_mul(world_size), String::new()),
+            _ => (
+                self.per_worker_batch,
+                1,
+                self.per_worker_batch.map(|b| b.saturating_mul(world_size)),
+                String::new(),
+            ),
         };
         let previous_scale = previous_world_size
             .filter(|w| *w > 0)
@@ -156,7 +256,7 @@ impl ScalingConfig {
         };
         Ok(ScalingDecision {
             lr_scale,
-            lr: self.base_lr * lr_scale,
+            lr: self.base_lr.map(|lr| lr * lr_scale),
             global_batch,
             grad_accum_steps,
             per_worker_batch,
@@ -174,9 +274,8 @@ impl ScalingConfig {
         }
     }
 
-    /// `(per_worker_batch, accum, global_batch, note)` for `fixed`.
-    fn fixed_split(&self, target: u64, world: u64) -> Result<(u64, u64, u64, String)> {
-        let b = self.per_worker_batch;
+    /// `(per_worker_batch, accum, global_batch, note)` for `fixed` with per-worker batch `b`.
+    fn fixed_split(&self, b: u64, target: u64, world: u64) -> Result<(u64, u64, u64, String)> {
         // Exact split with the configured per-worker batch: the common case.
         let full = b.saturating_mul(world);
         if target.is_multiple_of(full) {

@@ -2,31 +2,42 @@
 //!
 //! # Layout
 //!
-//! - [`agent`]: the node agent, from command line to exit code: membership (standalone,
-//!   static, or etcd v3 through the `elastic` crate), one worker group per generation,
-//!   restarts, drains, checkpoint hand-off. [`signals`] and [`notice`] (cloud preemption
-//!   notices) start its drain; [`logging`] sets up `tracing`; [`events`] writes the
-//!   `--events-file` log that tools follow.
-//! - [`cli`]: the command line, torchrun's flags (and `PET_*` variables) plus elastic-run's.
-//!   [`status`]: `elastic-run status`.
-//! - [`scaling`]: the workers' view of the `elastic` crate's scaling policy.
+//! - [`agent`]: the node agent, from command line to exit code, as a pure decision core
+//!   with thin I/O around it (`runtime/src/agent/`): [`agent::decide`] says what a running
+//!   group must do when etcd's view changes and what follows the end of a group (table:
+//!   `testdata/agent_decide.json`); `config.rs` reads the command line; `start.rs` creates
+//!   what the agent runs with; `membership.rs` follows the job (fixed, or an etcd member);
+//!   `group.rs` runs one worker group; `after.rs` carries out the decision; `drain.rs`,
+//!   `pipeline.rs` (the agent's commit queue) and `dirs.rs` (run and staging directories)
+//!   serve them. [`signals`] and [`notice`] (cloud preemption notices) start its drain;
+//!   [`logging`] sets up `tracing`; [`events`] writes the `--events-file` log that tools
+//!   follow.
+//! - [`cli`]: the command line, torchrun's flags (and `PET_*` variables) plus elastic-run's,
+//!   split into the flags (`cli/mod.rs`), their value types (`values.rs`), the store options
+//!   (`store.rs`) and the scaling flags (`scaling.rs`, read into the `elastic` crate's
+//!   [`elastic::ScalingConfig`]). [`status`]: `elastic-run status`.
 //! - [`worker_env`]: the environment contract every worker starts with, a pure function of a
-//!   [`worker_env::WorkerSpec`] and a [`worker_env::GenerationView`].
+//!   [`worker_env::WorkerSpec`] and a [`worker_env::GenerationView`]. The scaling policy and
+//!   its `ELASTIC_*` variables are the `elastic` crate's ([`elastic::scaling`]): standalone
+//!   and static runs decide with it here, etcd runs take the leader's decision from the
+//!   generation record.
 //! - [`supervisor`]: starts, watches and stops the workers of one node (process groups,
 //!   `PR_SET_PDEATHSIG`, hang watchdog); [`output`] prefixes their lines with the rank.
 //! - [`agent_socket`]: the agent ↔ worker Unix-socket protocol and its server.
-//! - [`checkpoint_sink`]: when every local rank has staged a step; [`store_sink`]: streams
-//!   staged steps through the `checkpoint` crate to any store, commits them across nodes, and
-//!   restores a committed step resharded for this node's ranks.
+//! - [`pipeline`]: the commit pipeline: [`pipeline::StepTracker`] says when every local rank
+//!   has staged a step; [`pipeline::StoreSink`] streams staged steps through the `checkpoint`
+//!   crate to any store and commits them across nodes (`commit.rs`), and restores a committed
+//!   step resharded for this node's ranks (`restore.rs`).
 //! - [`metrics`]: Prometheus counters and gauges, served on `--metrics-addr`.
 //! - `python/`: the `elastic_run` worker client (pip-installable); [`worker`]: the same
 //!   contract for Rust workers, and `worker_tch` (feature `tch`) for `VarStore`s.
-//! - `tests/`: end-to-end tests: `agent.rs` (one node), `elastic.rs` (several agents on a
-//!   real etcd, S3 via moto, PyTorch gloo).
+//! - `tests/`: one integration binary (`tests/tests.rs`): `suite/agent.rs` (one node),
+//!   `suite/elastic.rs` (several agents on a real etcd, S3 via moto, PyTorch gloo),
+//!   `suite/store_sink.rs` (the sink on real stores), `suite/agent_decide.rs` (the decision
+//!   table and sweep).
 
 pub mod agent;
 pub mod agent_socket;
-
 pub mod cli;
 pub mod events;
 pub mod logging;
@@ -34,7 +45,6 @@ pub mod metrics;
 pub mod notice;
 pub mod output;
 pub mod pipeline;
-pub mod scaling;
 pub mod signals;
 pub mod status;
 pub mod supervisor;

@@ -489,7 +489,6 @@ pub fn read_error_file(path: &Path) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scaling::Scaling;
 
     #[test]
     fn error_file_in_torch_record_format_is_read() {
@@ -553,7 +552,7 @@ mod tests {
             rank_offset: 0,
             master_addr: "127.0.0.1".into(),
             master_port: 1,
-            scaling: Scaling::identity(),
+            scaling: elastic::ScalingDecision::identity(),
             resume: None,
         }
     }

@@ -4,11 +4,11 @@
 //! [`GenerationView`], the local rank and the restart count. The `elastic` crate's generation
 //! record maps onto [`GenerationView`] field by field (world size, this node's rank offset,
 //! master address and port, scaling decision, resume step); standalone and static runs build
-//! one themselves.
+//! one themselves. The scaling variables are [`ScalingDecision::env`]'s.
 
 use std::path::{Path, PathBuf};
 
-use crate::scaling::Scaling;
+use elastic::ScalingDecision;
 
 /// Where workers resume from: a committed step laid out as `DIR/rank-*/` by the sink.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,7 +32,8 @@ pub struct GenerationView {
     pub rank_offset: u32,
     pub master_addr: String,
     pub master_port: u16,
-    pub scaling: Scaling,
+    /// The generation's scaling (the etcd leader's, or decided locally).
+    pub scaling: ScalingDecision,
     pub resume: Option<ResumePoint>,
 }
 
@@ -109,7 +110,6 @@ pub fn worker_env(
         });
     }
     let rank = view.rank_offset + local_rank;
-    let s = &view.scaling;
     let mut env: Vec<(String, String)> = vec![
         ("RANK".into(), rank.to_string()),
         ("LOCAL_RANK".into(), local_rank.to_string()),
@@ -145,12 +145,6 @@ pub fn worker_env(
             )),
         ),
         ("ELASTIC_GENERATION".into(), view.generation.to_string()),
-        ("ELASTIC_LR_SCALE".into(), format_f64(s.lr_scale)),
-        (
-            "ELASTIC_GRAD_ACCUM_STEPS".into(),
-            s.grad_accum_steps.to_string(),
-        ),
-        ("ELASTIC_WARMUP_STEPS".into(), s.warmup_steps.to_string()),
         ("ELASTIC_STAGING_DIR".into(), path_str(&spec.staging_dir)),
         (
             "ELASTIC_CHECKPOINT_INTERVAL".into(),
@@ -164,25 +158,18 @@ pub fn worker_env(
     if !omp_num_threads_set && spec.nproc > 1 {
         env.push(("OMP_NUM_THREADS".into(), "1".into()));
     }
-    if let Some(lr) = s.lr {
-        env.push(("ELASTIC_LR".into(), format_f64(lr)));
-    }
-    if let Some(b) = s.batch_size {
-        env.push(("ELASTIC_BATCH_SIZE".into(), b.to_string()));
-    }
-    if let Some(g) = s.global_batch {
-        env.push(("ELASTIC_GLOBAL_BATCH".into(), g.to_string()));
-    }
+    // LR scale, LR, batches, accumulation and warm-up: only the values the decision knows.
+    env.extend(
+        view.scaling
+            .env()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v)),
+    );
     if let Some(r) = &view.resume {
         env.push(("ELASTIC_RESUME_STEP".into(), r.step.to_string()));
         env.push(("ELASTIC_RESUME_DIR".into(), path_str(&r.dir)));
     }
     Ok(env)
-}
-
-/// Shortest decimal that reads back to the same f64 (Rust's `{}` formatting is round-trip).
-fn format_f64(v: f64) -> String {
-    format!("{v}")
 }
 
 fn path_str(p: &Path) -> String {
@@ -216,10 +203,10 @@ mod tests {
             rank_offset: 2,
             master_addr: "10.0.0.1".into(),
             master_port: 29400,
-            scaling: Scaling {
+            scaling: ScalingDecision {
                 lr_scale: 1.5,
                 lr: Some(0.15),
-                batch_size: Some(32),
+                per_worker_batch: Some(32),
                 global_batch: Some(192),
                 grad_accum_steps: 1,
                 warmup_steps: 100,
@@ -296,7 +283,7 @@ mod tests {
     #[test]
     fn unknown_values_are_absent_rather_than_empty() {
         let mut v = view();
-        v.scaling = Scaling::identity();
+        v.scaling = ScalingDecision::identity();
         v.resume = None;
         let env = worker_env(&spec(), &v, 0, 0, false).unwrap();
         for k in [
@@ -309,7 +296,37 @@ mod tests {
             assert_eq!(get(&env, k), None, "{k}");
         }
         assert_eq!(get(&env, "ELASTIC_LR_SCALE"), Some("1"));
+        assert_eq!(get(&env, "ELASTIC_GRAD_ACCUM_STEPS"), Some("1"));
+        assert_eq!(get(&env, "ELASTIC_WARMUP_STEPS"), Some("0"));
         assert!(env.iter().all(|(_, v)| !v.is_empty()));
+    }
+
+    #[test]
+    fn scaling_variables_are_the_decisions_env() {
+        let names = [
+            "ELASTIC_LR_SCALE",
+            "ELASTIC_LR",
+            "ELASTIC_GLOBAL_BATCH",
+            "ELASTIC_GRAD_ACCUM_STEPS",
+            "ELASTIC_BATCH_SIZE",
+            "ELASTIC_WARMUP_STEPS",
+        ];
+        for scaling in [view().scaling, ScalingDecision::identity()] {
+            let mut v = view();
+            v.scaling = scaling.clone();
+            let env = worker_env(&spec(), &v, 0, 0, false).unwrap();
+            let want = scaling.env();
+            for (k, value) in &want {
+                assert_eq!(get(&env, k), Some(value.as_str()), "{k}");
+            }
+            for k in names {
+                assert_eq!(
+                    get(&env, k).is_some(),
+                    want.iter().any(|(n, _)| *n == k),
+                    "{k}"
+                );
+            }
+        }
     }
 
     #[test]

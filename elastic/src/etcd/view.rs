@@ -268,9 +268,9 @@ mod tests {
             master_port: 1,
             scaling: crate::scaling::ScalingConfig {
                 mode: crate::scaling::ScalingMode::None,
-                per_worker_batch: 1,
+                per_worker_batch: Some(1),
                 base_world_size: 1,
-                base_lr: 1.0,
+                base_lr: Some(1.0),
                 global_batch: None,
                 on_indivisible: crate::scaling::OnIndivisible::Nearest,
                 warmup_steps: None,

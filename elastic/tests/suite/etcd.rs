@@ -33,9 +33,9 @@ async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
 fn scaling() -> ScalingConfig {
     ScalingConfig {
         mode: ScalingMode::Linear,
-        per_worker_batch: 8,
+        per_worker_batch: Some(8),
         base_world_size: 2,
-        base_lr: 0.1,
+        base_lr: Some(0.1),
         global_batch: None,
         on_indivisible: OnIndivisible::Nearest,
         warmup_steps: None,

@@ -14,9 +14,9 @@ const KEY: &str = "/elastic-run/job/ctl/generation";
 fn generation() -> Generation {
     let scaling = ScalingConfig {
         mode: ScalingMode::Linear,
-        per_worker_batch: 8,
+        per_worker_batch: Some(8),
         base_world_size: 4,
-        base_lr: 0.1,
+        base_lr: Some(0.1),
         global_batch: None,
         on_indivisible: OnIndivisible::Nearest,
         warmup_steps: Some(10),
@@ -58,6 +58,44 @@ fn generation_round_trips() {
         back.member("a").map(|(rank, m)| (rank, m.rank_offset)),
         Some((1, 4))
     );
+}
+
+#[test]
+fn generations_with_unknown_scaling_values_write_null_and_old_ones_with_numbers_parse() {
+    // Unknown batch and LR (no `--batch-size`, no `--base-lr`): `null` in the record.
+    let mut g = generation();
+    g.scaling = ScalingConfig {
+        mode: ScalingMode::Sqrt,
+        per_worker_batch: None,
+        base_world_size: 4,
+        base_lr: None,
+        global_batch: None,
+        on_indivisible: OnIndivisible::Nearest,
+        warmup_steps: None,
+    }
+    .decide(6, None)
+    .unwrap();
+    let bytes = record::encode(&g);
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    for k in ["lr", "global_batch", "per_worker_batch"] {
+        assert!(v["scaling"][k].is_null(), "{k}: {v}");
+    }
+    let back: Generation = record::parse(KEY, &bytes).unwrap();
+    assert_eq!(back, g);
+    // A generation written by a build whose scaling values were always numbers.
+    let old = br#"{"version":1,"number":3,
+        "members":[{"node_id":"b","addr":"10.0.0.2","nproc":4,"rank_offset":0},
+                   {"node_id":"a","addr":"10.0.0.1","nproc":2,"rank_offset":4}],
+        "world_size":6,"master_addr":"10.0.0.2","master_port":29500,
+        "scaling":{"lr_scale":1.5,"lr":0.15,"global_batch":48,"grad_accum_steps":1,
+                   "per_worker_batch":8,"warmup_steps":10,"note":""},
+        "resume_step":1200,"created_unix_ms":1700000000000}"#;
+    let mut old: Generation = record::parse(KEY, old).unwrap();
+    let today = generation();
+    let lr = old.scaling.lr.expect("a number reads as a known LR");
+    assert!((lr - 0.15).abs() < 1e-12, "{lr}");
+    old.scaling.lr = today.scaling.lr; // 0.1 x 1.5 need not print as 0.15
+    assert_eq!(old, today, "the same generation as today's encoding");
 }
 
 fn expect_bad(value: &[u8], needle: &str) {

@@ -1,7 +1,7 @@
 //! Table tests for the scaling policy.
 
 use elastic::Error;
-use elastic::scaling::{OnIndivisible, ScalingConfig, ScalingMode};
+use elastic::scaling::{OnIndivisible, ScalingConfig, ScalingDecision, ScalingMode};
 
 fn cfg(
     mode: ScalingMode,
@@ -12,9 +12,9 @@ fn cfg(
 ) -> ScalingConfig {
     ScalingConfig {
         mode,
-        per_worker_batch: b,
+        per_worker_batch: Some(b),
         base_world_size: w0,
-        base_lr: 0.1,
+        base_lr: Some(0.1),
         global_batch: global,
         on_indivisible: on,
         warmup_steps: None,
@@ -121,11 +121,19 @@ fn scaling_table() {
             .cfg
             .decide(row.world, None)
             .unwrap_or_else(|e| panic!("{}: {e}", row.name));
+        let (Some(global_batch), Some(per_worker_batch), Some(lr)) =
+            (d.global_batch, d.per_worker_batch, d.lr)
+        else {
+            panic!(
+                "{}: a known batch and LR give known values: {d:?}",
+                row.name
+            );
+        };
         let got = (
             d.lr_scale,
-            d.global_batch,
+            global_batch,
             d.grad_accum_steps,
-            d.per_worker_batch,
+            per_worker_batch,
             d.note.is_empty(),
         );
         if (got.0 - row.expect.0).abs() > 1e-9
@@ -141,14 +149,14 @@ fn scaling_table() {
         }
         // Invariants that hold for every row.
         assert_eq!(
-            d.global_batch,
-            d.per_worker_batch * row.world * d.grad_accum_steps,
+            global_batch,
+            per_worker_batch * row.world * d.grad_accum_steps,
             "{}",
             row.name
         );
-        assert!((d.lr - 0.1 * d.lr_scale).abs() < 1e-12, "{}", row.name);
+        assert!((lr - 0.1 * d.lr_scale).abs() < 1e-12, "{}", row.name);
         assert!(
-            d.per_worker_batch >= 1 && d.per_worker_batch <= row.cfg.per_worker_batch,
+            per_worker_batch >= 1 && Some(per_worker_batch) <= row.cfg.per_worker_batch,
             "{}",
             row.name
         );
@@ -246,7 +254,7 @@ fn bad_inputs_are_errors() {
             .is_err()
     );
     let mut nan = cfg(ScalingMode::Linear, 32, 8, None, OnIndivisible::Nearest);
-    nan.base_lr = f64::NAN;
+    nan.base_lr = Some(f64::NAN);
     assert!(nan.decide(8, None).is_err());
     assert!("cubic".parse::<ScalingMode>().is_err());
     assert_eq!("sqrt".parse::<ScalingMode>().unwrap(), ScalingMode::Sqrt);
@@ -260,4 +268,164 @@ fn decision_round_trips_through_json() {
     let back: elastic::ScalingDecision =
         serde_json::from_str(&serde_json::to_string(&d).unwrap()).unwrap();
     assert_eq!(back, d);
+}
+
+/// The runtime's table: base world 4, batch 32, LR 0.1, a global batch of 32 x 4 for `fixed`,
+/// the previous world at the base size.
+#[test]
+fn policies_scale_lr_and_accumulation_as_documented() {
+    use ScalingMode::{Fixed, Linear, Sqrt};
+    // (mode, world, lr_scale, per-worker batch, accum, global)
+    let table = [
+        (Linear, 8, 2.0, 32, 1, 256),
+        (Linear, 2, 0.5, 32, 1, 64),
+        (Sqrt, 16, 2.0, 32, 1, 512),
+        (Sqrt, 1, 0.5, 32, 1, 32),
+        (ScalingMode::None, 8, 1.0, 32, 1, 256),
+        (Fixed, 2, 1.0, 32, 2, 128),
+        (Fixed, 4, 1.0, 32, 1, 128),
+        (Fixed, 1, 1.0, 32, 4, 128),
+        // 128 over 3 workers has no exact split; the nearest global batch is 1 x 3 x 43 = 129.
+        (Fixed, 3, 1.0, 1, 43, 129),
+    ];
+    for (mode, world, scale, batch, accum, global) in table {
+        let mut c = cfg(mode, 32, 4, Some(128), OnIndivisible::Nearest);
+        c.warmup_steps = Some(10);
+        let d = c.decide(world, Some(4)).unwrap();
+        assert!((d.lr_scale - scale).abs() < 1e-12, "{mode} {world}: {d:?}");
+        assert!(
+            (d.lr.unwrap() - 0.1 * scale).abs() < 1e-12,
+            "{mode} {world}"
+        );
+        assert_eq!(d.per_worker_batch, Some(batch), "{mode} {world}");
+        assert_eq!(d.grad_accum_steps, accum, "{mode} {world}");
+        assert_eq!(d.global_batch, Some(global), "{mode} {world}");
+    }
+}
+
+#[test]
+fn unknown_batch_and_lr_stay_unknown_and_out_of_the_env() {
+    let mut c = cfg(ScalingMode::Linear, 32, 4, None, OnIndivisible::Nearest);
+    c.per_worker_batch = None;
+    c.base_lr = None;
+    c.warmup_steps = Some(10);
+    let d = c.decide(8, None).unwrap();
+    assert_eq!(d.global_batch, None);
+    assert_eq!(d.per_worker_batch, None);
+    assert_eq!(d.lr, None);
+    assert_eq!(d.lr_scale, 2.0);
+    assert_eq!(d.grad_accum_steps, 1);
+    assert_eq!(d.warmup_steps, 10);
+    let env: std::collections::BTreeMap<_, _> = d.env().into_iter().collect();
+    assert_eq!(
+        env,
+        [
+            ("ELASTIC_GRAD_ACCUM_STEPS", "1"),
+            ("ELASTIC_LR_SCALE", "2"),
+            ("ELASTIC_WARMUP_STEPS", "10"),
+        ]
+        .map(|(k, v)| (k, v.to_string()))
+        .into()
+    );
+    // A known batch with an unknown LR: only the LR is left out.
+    c.per_worker_batch = Some(32);
+    let d = c.decide(8, None).unwrap();
+    assert_eq!(
+        (d.per_worker_batch, d.global_batch, d.lr),
+        (Some(32), Some(256), None)
+    );
+    let names: Vec<_> = d.env().into_iter().map(|(k, _)| k).collect();
+    assert!(!names.contains(&"ELASTIC_LR"), "{names:?}");
+    assert_eq!(names.len(), 5, "{names:?}");
+    assert_eq!(
+        ScalingDecision::identity().env(),
+        [
+            ("ELASTIC_LR_SCALE", "1".to_string()),
+            ("ELASTIC_GRAD_ACCUM_STEPS", "1".to_string()),
+            ("ELASTIC_WARMUP_STEPS", "0".to_string()),
+        ]
+    );
+}
+
+#[test]
+fn fixed_without_a_batch_is_a_typed_error_naming_the_flag() {
+    for global in [None, Some(128)] {
+        let mut c = cfg(ScalingMode::Fixed, 32, 4, global, OnIndivisible::Nearest);
+        c.per_worker_batch = None;
+        let e = c.validate().unwrap_err();
+        assert!(matches!(e, Error::FixedNeedsBatch), "{e:?}");
+        assert!(e.to_string().contains("--batch-size"), "{e}");
+        assert!(matches!(c.decide(4, None), Err(Error::FixedNeedsBatch)));
+    }
+    // Without `fixed`, an unknown batch is fine.
+    let mut c = cfg(ScalingMode::Sqrt, 32, 4, None, OnIndivisible::Nearest);
+    c.per_worker_batch = None;
+    assert!(c.decide(4, None).is_ok());
+}
+
+#[test]
+fn modes_read_and_write_their_names() {
+    for m in ScalingMode::ALL {
+        assert_eq!(m.to_string().parse::<ScalingMode>().unwrap(), m);
+        // The same spelling as in the records.
+        assert_eq!(
+            serde_json::to_string(&m).unwrap(),
+            format!("\"{m}\""),
+            "{m:?}"
+        );
+    }
+    assert_eq!(ScalingMode::None.to_string(), "none");
+    for o in OnIndivisible::ALL {
+        assert_eq!(o.to_string().parse::<OnIndivisible>().unwrap(), o);
+        assert_eq!(serde_json::to_string(&o).unwrap(), format!("\"{o}\""));
+    }
+    assert_eq!(
+        "refuse".parse::<OnIndivisible>().unwrap(),
+        OnIndivisible::Refuse
+    );
+    let e = "round".parse::<OnIndivisible>().unwrap_err();
+    assert!(e.to_string().contains("nearest, refuse"), "{e}");
+    assert!("Linear".parse::<ScalingMode>().is_err());
+}
+
+#[test]
+fn unknown_values_travel_as_null_and_old_records_with_numbers_still_parse() {
+    let mut c = cfg(ScalingMode::Linear, 32, 4, None, OnIndivisible::Nearest);
+    c.per_worker_batch = None;
+    c.base_lr = None;
+    let d = c.decide(8, None).unwrap();
+    let json: serde_json::Value = serde_json::to_value(&d).unwrap();
+    for k in ["lr", "global_batch", "per_worker_batch"] {
+        assert!(json[k].is_null(), "{k}: {json}");
+        assert!(
+            json.as_object().unwrap().contains_key(k),
+            "{k} is written: {json}"
+        );
+    }
+    let back: ScalingDecision = serde_json::from_value(json).unwrap();
+    assert_eq!(back, d);
+    // A record written before the values could be unknown: numbers everywhere.
+    let old = r#"{"lr_scale":1.5,"lr":0.15,"global_batch":192,"grad_accum_steps":1,
+                  "per_worker_batch":32,"warmup_steps":100,"note":""}"#;
+    let d: ScalingDecision = serde_json::from_str(old).unwrap();
+    assert_eq!(
+        d,
+        ScalingDecision {
+            lr_scale: 1.5,
+            lr: Some(0.15),
+            global_batch: Some(192),
+            grad_accum_steps: 1,
+            per_worker_batch: Some(32),
+            warmup_steps: 100,
+            note: String::new(),
+        }
+    );
+    // And the configuration, which the records of older builds also held as numbers.
+    let old_cfg = r#"{"mode":"fixed","per_worker_batch":32,"base_world_size":4,"base_lr":0.1,
+                      "global_batch":128,"on_indivisible":"refuse","warmup_steps":null}"#;
+    let c: ScalingConfig = serde_json::from_str(old_cfg).unwrap();
+    assert_eq!(
+        (c.per_worker_batch, c.base_lr, c.on_indivisible),
+        (Some(32), Some(0.1), OnIndivisible::Refuse)
+    );
 }

@@ -6,8 +6,7 @@
 use anyhow::{Result, bail};
 use elastic::RendezvousConfig;
 
-use crate::cli::{Cli, IndivisibleBatch, NProc, RdzvBackend};
-use crate::scaling::ScalingConfig;
+use crate::cli::{Cli, NProc, RdzvBackend};
 
 /// A configuration the user must change: reported like a bad flag (exit 2).
 #[derive(Debug, thiserror::Error)]
@@ -60,22 +59,9 @@ impl Mode {
     }
 }
 
-/// The job's scaling configuration from the command line.
-pub fn scaling_config(cli: &Cli, nproc: u32) -> ScalingConfig {
-    ScalingConfig {
-        policy: cli.lr_scaling,
-        base_world_size: cli
-            .base_world_size
-            .unwrap_or(nproc.saturating_mul(cli.nnodes.max)),
-        batch_size: cli.batch_size,
-        global_batch: cli.global_batch,
-        base_lr: cli.base_lr,
-        warmup_steps: cli.warmup_steps,
-        on_indivisible: match cli.indivisible_batch {
-            IndivisibleBatch::Nearest => elastic::OnIndivisible::Nearest,
-            IndivisibleBatch::Refuse => elastic::OnIndivisible::Refuse,
-        },
-    }
+/// The job's scaling configuration from the command line ([`Cli::scaling_config`]).
+pub fn scaling_config(cli: &Cli, nproc: u32) -> elastic::ScalingConfig {
+    cli.scaling_config(nproc)
 }
 
 /// Reads `--rdzv-conf` into the rendezvous configuration. Keys: `lease_ttl_ms`, `settle_ms`,
@@ -89,9 +75,9 @@ pub fn rendezvous_config(
     cli: &Cli,
     node_id: &str,
     nproc: u32,
-    scaling: &ScalingConfig,
+    scaling: &elastic::ScalingConfig,
 ) -> Result<RendezvousConfig> {
-    let policy = scaling.to_policy().map_err(|e| usage(e.to_string()))?;
+    scaling.validate().map_err(|e| usage(e.to_string()))?;
     let endpoints = split_endpoints(&cli.rdzv_endpoint);
     let addr = cli.local_addr.clone().unwrap_or_else(default_local_addr);
     let mut cfg = RendezvousConfig::new(
@@ -101,7 +87,7 @@ pub fn rendezvous_config(
         addr,
         cli.nnodes.min,
         cli.nnodes.max,
-        policy,
+        scaling.clone(),
     );
     cfg.nproc = nproc;
     cfg.master_port = cli.master_port;

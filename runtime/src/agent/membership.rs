@@ -18,7 +18,6 @@ use super::pipeline::Committer;
 use crate::agent_socket::AgentState;
 use crate::events::Events;
 use crate::notice;
-use crate::scaling;
 use crate::worker_env::GenerationView;
 
 /// Added to lease TTL + settle while a node whose workers failed waits for a membership change.
@@ -219,7 +218,7 @@ fn generation_view(node: &Node, g: &Generation) -> Result<GenerationView> {
         rank_offset: me.rank_offset,
         master_addr: g.master_addr.clone(),
         master_port: g.master_port,
-        scaling: scaling::from_decision(&g.scaling, &node.scaling),
+        scaling: g.scaling.clone(),
         resume: None,
     })
 }

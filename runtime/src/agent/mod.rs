@@ -89,7 +89,6 @@ use crate::events::Events;
 use crate::notice;
 use crate::pipeline::StepTracker;
 use crate::pipeline::StoreSink;
-use crate::scaling::ScalingConfig;
 use crate::supervisor::SupervisorConfig;
 use crate::worker_env::{GenerationView, WorkerSpec};
 
@@ -133,7 +132,7 @@ struct Node {
     mode: Mode,
     nproc: u32,
     node_id: String,
-    scaling: ScalingConfig,
+    scaling: elastic::ScalingConfig,
     spec: WorkerSpec,
     sup_cfg: SupervisorConfig,
     state: Arc<AgentState>,
@@ -354,7 +353,7 @@ fn emit_generation(
             "members": members,
             "lr_scale": s.lr_scale,
             "lr": s.lr,
-            "batch_size": s.batch_size,
+            "batch_size": s.per_worker_batch,
             "global_batch": s.global_batch,
             "grad_accum_steps": s.grad_accum_steps,
             "resume_step": view.resume.as_ref().map(|r| r.step),

@@ -208,7 +208,7 @@ pub(super) fn tracker_complete(
         "scaling": {
             "lr_scale": s.lr_scale,
             "lr": s.lr,
-            "batch_size": s.batch_size,
+            "batch_size": s.per_worker_batch,
             "global_batch": s.global_batch,
             "grad_accum_steps": s.grad_accum_steps,
         },

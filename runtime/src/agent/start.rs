@@ -20,7 +20,6 @@ use crate::events::Events;
 use crate::notice;
 use crate::pipeline::StepTracker;
 use crate::pipeline::{SinkOptions, StoreSink};
-use crate::scaling;
 use crate::supervisor::SupervisorConfig;
 use crate::worker_env::{GenerationView, WorkerSpec};
 
@@ -34,7 +33,7 @@ pub(super) async fn start(
 ) -> Result<(Agent, Services)> {
     // Everything a user can get wrong is checked before anything is created.
     let scaling_cfg = scaling_config(&cli, nproc);
-    scaling_cfg.to_policy().map_err(|e| usage(e.to_string()))?;
+    scaling_cfg.validate().map_err(|e| usage(e.to_string()))?;
     let argv = worker_argv(&cli)?;
     let rdzv_cfg = match mode {
         Mode::Etcd => Some(rendezvous_config(&cli, &node_id, nproc, &scaling_cfg)?),
@@ -158,8 +157,10 @@ pub(super) async fn start(
                 _ => (0, 1, "127.0.0.1".to_string()),
             };
             let world = nproc.saturating_mul(node_count);
-            let s =
-                scaling::decide(&node.scaling, world, None).map_err(|e| usage(e.to_string()))?;
+            let s = node
+                .scaling
+                .decide(u64::from(world), None)
+                .map_err(|e| usage(e.to_string()))?;
             Membership::Fixed(GenerationView {
                 generation: 0,
                 world_size: world,
