@@ -388,8 +388,12 @@ fn sigterm_of_one_agent_commits_its_emergency_checkpoint_and_no_step_is_lost() {
 fn a_fourth_agent_joins_and_the_job_scales_up() {
     let job = Job::new("file");
     let train = ["--steps", "60", "--step-sleep", "0.1"];
+    // Members are ranked by join time: start each after the one before has joined, so the
+    // order asserted below is the order they joined in, not a race between three processes.
     let a = job.start("a", "2:4", &train);
+    job.wait_event("a to join", LONG, |e| is(e, "joined") && node_of(e) == "a");
     let b = job.start("b", "2:4", &train);
+    job.wait_event("b to join", LONG, |e| is(e, "joined") && node_of(e) == "b");
     let c = job.start("c", "2:4", &train);
     job.wait_event("generation at world 6", LONG, |e| {
         is(e, "generation") && e["world_size"] == 6
