@@ -5,8 +5,10 @@
 //! - [`agent`]: the node agent, from command line to exit code: membership (standalone,
 //!   static, or etcd v3 through the `elastic` crate), one worker group per generation,
 //!   restarts, drains, checkpoint hand-off. [`signals`] and [`notice`] (cloud preemption
-//!   notices) start its drain; [`logging`] sets up `tracing`; [`events`] writes the
-//!   `--events-file` log that tools follow.
+//!   notices; `notice/`: the watch and its types in `mod.rs`, one file per cloud, `aws.rs`,
+//!   `gcp.rs`, `azure.rs`, and the shared HTTP client in `http.rs`) start its drain;
+//!   [`logging`] sets up `tracing`; [`events`] writes the `--events-file` log that tools
+//!   follow, one [`events::Event`] per line, read back as an [`events::Record`].
 //! - [`cli`]: the command line, torchrun's flags (and `PET_*` variables) plus elastic-run's.
 //!   [`status`]: `elastic-run status`.
 //! - [`scaling`]: the workers' view of the `elastic` crate's scaling policy.
