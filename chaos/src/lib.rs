@@ -11,8 +11,14 @@
 //!   bridge, for scenarios whose partitions must cut a node off from its peers too.
 //! - [`harness`]: runs a scenario: etcd, moto, proxies, N `elastic-run` agents as simulated
 //!   nodes (on loopback, or each in its own network namespace), the faults, then the checks and
-//!   the report.
-//! - [`invariants`]: the checks, pure functions of the events, faults and end state.
+//!   the report. `harness/`: the run loop in `mod.rs`, the nodes in `nodes.rs`, fault injection
+//!   in `faults.rs`, processes in `procs.rs`, what a run left in `end_state.rs`.
+//! - [`events`]: the agents' `--events-file` read back as the runtime's typed records
+//!   (`runtime::events::Record`); a line that is no record is reported by file and line.
+//! - [`invariants`]: the checks, pure functions of the events, faults and end state;
+//!   `invariants/`: one file per family (`job.rs`, `store.rs`, `faults.rs`, `training.rs`).
+//!   The runtime constants they depend on (the commit pipeline's depth, retention's default)
+//!   come from the `runtime` crate, not copies.
 //! - [`watch`]: watches the checkpoint store during a run (the newest commit never goes back,
 //!   nothing visible as committed is partial).
 //! - [`report`]: the JSON report and the SVG timeline.
@@ -23,6 +29,7 @@
 //!   slowness and errors with a SIGKILL, a fixed-batch shrink compared with a reference run);
 //!   `tests/campaign.rs` runs it.
 
+pub mod events;
 pub mod harness;
 pub mod invariants;
 pub mod netns;

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use serde::Serialize;
-use serde_json::Value;
 
+use crate::events::{Event, Record, first_steps, generations};
 use crate::invariants::{Check, FaultEffect, Fired, Outcome};
 
 #[derive(Debug, Clone, Serialize)]
@@ -16,7 +16,8 @@ pub struct Report {
     pub job: String,
     pub wall_ms: u64,
     pub faults: Vec<FaultEffect>,
-    pub generations: Vec<Value>,
+    /// The first record of each generation.
+    pub generations: Vec<Record>,
     pub checks: Vec<Check>,
     pub outcome: Outcome,
     pub passed: bool,
@@ -38,11 +39,11 @@ fn esc(s: &str) -> String {
 /// the agents fell silent before, as a hung job does).
 pub fn timeline_svg(
     title: &str,
-    events: &[Value],
+    events: &[Record],
     fired: &[Fired],
     end_unix_ms: Option<u64>,
 ) -> String {
-    let ts = |e: &Value| e["ts_ms"].as_u64().unwrap_or(0);
+    let ts = |e: &Record| e.ts_ms;
     let t0 = events.iter().map(ts).min().unwrap_or(0);
     let t1 = events
         .iter()
@@ -55,10 +56,8 @@ pub fn timeline_svg(
     let x = |t: u64| LEFT + (t.saturating_sub(t0)) as f64 / (t1 - t0) as f64 * (W - LEFT - RIGHT);
     let mut nodes: Vec<String> = Vec::new();
     for e in events {
-        if let Some(n) = e["node"].as_str()
-            && !nodes.iter().any(|m| m == n)
-        {
-            nodes.push(n.to_string());
+        if !nodes.contains(&e.node) {
+            nodes.push(e.node.clone());
         }
     }
     let lanes_top = 40.0;
@@ -84,11 +83,13 @@ pub fn timeline_svg(
     for (i, n) in nodes.iter().enumerate() {
         let y = lanes_top + i as f64 * LANE_H;
         let _ = writeln!(s, r#"<text x="10" y="{}">{}</text>"#, y + 12.0, esc(n));
-        let mine: Vec<&Value> = events.iter().filter(|e| e["node"] == n.as_str()).collect();
+        let mine: Vec<&Record> = events.iter().filter(|e| e.node == *n).collect();
         let starts: Vec<(u64, u64)> = mine
             .iter()
-            .filter(|e| e["event"] == "generation")
-            .map(|e| (ts(e), e["generation"].as_u64().unwrap_or(0)))
+            .filter_map(|e| match e.event {
+                Event::Generation { generation, .. } => Some((ts(e), generation)),
+                _ => None,
+            })
             .collect();
         let end = mine.iter().map(|e| ts(e)).max().unwrap_or(t1);
         for (k, (start, g)) in starts.iter().enumerate() {
@@ -106,11 +107,11 @@ pub fn timeline_svg(
             );
         }
         for e in &mine {
-            let (mark, color) = match e["event"].as_str() {
-                Some("exit") => ("exit", "black"),
-                Some("fenced") => ("fenced", "red"),
-                Some("drain_started") => ("drain", "purple"),
-                Some("worker_failed") => ("failed", "red"),
+            let (mark, color) = match e.event {
+                Event::Exit { .. } => ("exit", "black"),
+                Event::Fenced { .. } => ("fenced", "red"),
+                Event::DrainStarted { .. } => ("drain", "purple"),
+                Event::WorkerFailed { .. } => ("failed", "red"),
                 _ => continue,
             };
             let _ = writeln!(
@@ -175,15 +176,12 @@ pub fn timeline_svg(
         );
     };
     let mut world: BTreeMap<u64, (u64, f64, f64)> = BTreeMap::new();
-    for e in events.iter().filter(|e| e["event"] == "generation") {
-        let g = e["generation"].as_u64().unwrap_or(0);
+    for g in generations(events) {
         // The LR itself where the agent reports it, else its scale.
-        let lr = e["lr"].as_f64().or_else(|| e["lr_scale"].as_f64());
-        world.entry(g).or_insert((
-            ts(e),
-            e["world_size"].as_f64().unwrap_or(0.0),
-            lr.unwrap_or(0.0),
-        ));
+        let lr = g.lr.unwrap_or(g.lr_scale);
+        world
+            .entry(g.generation)
+            .or_insert((ts(g.record), f64::from(g.world_size), lr));
     }
     let wpts: Vec<(u64, f64)> = world.values().map(|(t, w, _)| (*t, *w)).collect();
     let lpts: Vec<(u64, f64)> = world.values().map(|(t, _, l)| (*t, *l)).collect();
@@ -191,23 +189,31 @@ pub fn timeline_svg(
     panel(&mut s, 1, "LR", &lpts, true, "#f28e2b");
     let mut spts: Vec<(u64, f64)> = events
         .iter()
-        .filter(|e| e["event"] == "first_step" || e["event"] == "checkpoint_committed")
-        .map(|e| (ts(e), e["step"].as_f64().unwrap_or(0.0)))
+        .filter_map(|e| match e.event {
+            Event::FirstStep { step, .. } | Event::CheckpointCommitted { step, .. } => {
+                Some((ts(e), step as f64))
+            }
+            _ => None,
+        })
         .collect();
     spts.sort_by_key(|p| p.0);
     panel(&mut s, 2, "step (commits)", &spts, false, "#59a14f");
     let top = panels_top + 2.0 * (PANEL_H + 20.0);
-    for e in events
-        .iter()
-        .filter(|e| e["event"] == "checkpoint_committed" && e["by_this_node"] == true)
-    {
+    for (e, step) in events.iter().filter_map(|e| match e.event {
+        Event::CheckpointCommitted {
+            step,
+            by_this_node: true,
+            ..
+        } => Some((e, step)),
+        _ => None,
+    }) {
         let _ = writeln!(
             s,
             r##"<line x1="{0:.1}" x2="{0:.1}" y1="{1:.1}" y2="{2:.1}" stroke="#59a14f"><title>commit step {3}</title></line>"##,
             x(ts(e)),
             top + PANEL_H,
             top + PANEL_H + 6.0,
-            e["step"]
+            step
         );
     }
     // Faults across everything: a line when injected, a band while it lasts (partitions,
@@ -262,17 +268,17 @@ pub fn timeline_svg(
     // Recovery points: the first step of each worker group, as a triangle on the step panel.
     let step_top = panels_top + 2.0 * (PANEL_H + 20.0);
     let step_max = spts.iter().map(|p| p.1).fold(1e-9, f64::max);
-    for e in events.iter().filter(|e| e["event"] == "first_step") {
-        let (px, step) = (x(ts(e)), e["step"].as_f64().unwrap_or(0.0));
-        let py = step_top + PANEL_H - step / step_max * (PANEL_H - 8.0);
+    for (e, generation, step) in first_steps(events) {
+        let px = x(ts(e));
+        let py = step_top + PANEL_H - step as f64 / step_max * (PANEL_H - 8.0);
         let _ = writeln!(
             s,
             r##"<path d="M{:.1},{:.1} l4,-7 l4,7 z" fill="#59a14f"><title>{} generation {} trains again from step {}</title></path>"##,
             px - 4.0,
             py,
-            esc(e["node"].as_str().unwrap_or("?")),
-            e["generation"],
-            e["step"]
+            esc(&e.node),
+            generation,
+            step
         );
     }
     let _ = writeln!(
@@ -290,18 +296,69 @@ pub fn timeline_svg(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::events::{Event, Record};
     use crate::scenario::{Fault, FaultKind};
-    use serde_json::json;
+
+    fn rec(ts_ms: u64, node: &str, event: Event) -> Record {
+        Record {
+            ts_ms,
+            node: node.into(),
+            event,
+        }
+    }
+
+    fn generation(
+        ts_ms: u64,
+        node: &str,
+        generation: u64,
+        world_size: u32,
+        lr_scale: f64,
+    ) -> Record {
+        rec(
+            ts_ms,
+            node,
+            Event::Generation {
+                generation,
+                world_size,
+                node_rank: 0,
+                rank_offset: 0,
+                members: vec![],
+                lr_scale,
+                lr: None,
+                batch_size: None,
+                global_batch: None,
+                grad_accum_steps: 1,
+                resume_step: None,
+                prev_last_step: None,
+            },
+        )
+    }
 
     #[test]
     fn timeline_shows_nodes_generations_commits_and_faults() {
         let events = vec![
-            json!({"ts_ms": 1000, "node": "n0", "event": "generation", "generation": 1, "world_size": 3, "lr_scale": 1.0}),
-            json!({"ts_ms": 1000, "node": "n1", "event": "generation", "generation": 1, "world_size": 3, "lr_scale": 1.0}),
-            json!({"ts_ms": 2000, "node": "n0", "event": "first_step", "generation": 1, "step": 1}),
-            json!({"ts_ms": 3000, "node": "n0", "event": "checkpoint_committed", "step": 10, "by_this_node": true}),
-            json!({"ts_ms": 5000, "node": "n0", "event": "generation", "generation": 2, "world_size": 2, "lr_scale": 0.66}),
-            json!({"ts_ms": 9000, "node": "n0", "event": "exit", "code": 0}),
+            generation(1000, "n0", 1, 3, 1.0),
+            generation(1000, "n1", 1, 3, 1.0),
+            rec(
+                2000,
+                "n0",
+                Event::FirstStep {
+                    generation: 1,
+                    step: 1,
+                },
+            ),
+            rec(
+                3000,
+                "n0",
+                Event::CheckpointCommitted {
+                    step: 10,
+                    generation: 1,
+                    bytes: 100,
+                    by_this_node: true,
+                },
+            ),
+            generation(5000, "n0", 2, 2, 0.66),
+            rec(9000, "n0", Event::Exit { code: 0 }),
         ];
         let fired = vec![Fired {
             fault: Fault {

@@ -19,8 +19,9 @@ use serde::Serialize;
 
 /// How often the store is listed.
 pub const WATCH_INTERVAL_MS: u64 = 500;
-/// Committed steps the agents' retention keeps (`runtime`'s `keep_steps`).
-pub const KEEP_STEPS: usize = 3;
+/// Committed steps the agents' retention keeps (`runtime`'s default `keep_steps`; the harness
+/// passes no `--checkpoint-keep-last`).
+pub const KEEP_STEPS: usize = runtime::pipeline::KEEP_STEPS_DEFAULT;
 /// Violations and errors kept in the report, each.
 const MESSAGES_MAX: usize = 50;
 /// Attempts to verify one step before it is reported as unverifiable.

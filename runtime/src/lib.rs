@@ -9,9 +9,11 @@
 //!   what the agent runs with; `membership.rs` follows the job (fixed, or an etcd member);
 //!   `group.rs` runs one worker group; `after.rs` carries out the decision; `drain.rs`,
 //!   `pipeline.rs` (the agent's commit queue) and `dirs.rs` (run and staging directories)
-//!   serve them. [`signals`] and [`notice`] (cloud preemption notices) start its drain;
-//!   [`logging`] sets up `tracing`; [`events`] writes the `--events-file` log that tools
-//!   follow.
+//!   serve them. [`signals`] and [`notice`] (cloud preemption notices; `notice/`: the
+//!   watch and its types in `mod.rs`, one file per cloud, `aws.rs`, `gcp.rs`, `azure.rs`,
+//!   and the shared HTTP client in `http.rs`) start its drain; [`logging`] sets up
+//!   `tracing`; [`events`] writes the `--events-file` log that tools follow, one
+//!   [`events::Event`] per line, read back as an [`events::Record`].
 //! - [`cli`]: the command line, torchrun's flags (and `PET_*` variables) plus elastic-run's,
 //!   split into the flags (`cli/mod.rs`), their value types (`values.rs`), the store options
 //!   (`store.rs`) and the scaling flags (`scaling.rs`, read into the `elastic` crate's

@@ -10,6 +10,9 @@ use std::path::{Path, PathBuf};
 
 use elastic::ScalingDecision;
 
+/// The variable naming the job (torchrun's), in every worker's environment.
+pub const RUN_ID_ENV: &str = "TORCHELASTIC_RUN_ID";
+
 /// Where workers resume from: a committed step laid out as `DIR/rank-*/` by the sink.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResumePoint {
@@ -131,7 +134,7 @@ pub fn worker_env(
             "TORCHELASTIC_MAX_RESTARTS".into(),
             spec.max_restarts.to_string(),
         ),
-        ("TORCHELASTIC_RUN_ID".into(), spec.run_id.clone()),
+        (RUN_ID_ENV.into(), spec.run_id.clone()),
         // The workers build their own TCPStore from MASTER_ADDR/PORT (env://); the agent does
         // not host one.
         ("TORCHELASTIC_USE_AGENT_STORE".into(), "False".into()),

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use anyhow::Result;
 use elastic::Generation;
-use serde_json::json;
 
 use super::decide::{self, Action, AfterGroup, DrainOf, Ended, FailureSeen, Reason};
 use super::group::GroupEnd;
@@ -15,6 +14,7 @@ use super::membership::{Membership, failure_counts, fenced_metrics, leave};
 use super::pipeline::{BETWEEN_GENERATIONS_FLUSH_MS, flush};
 use super::{Agent, FLUSH_TIMEOUT_MS};
 use crate::agent_socket::AgentState;
+use crate::events::Event;
 use crate::notice;
 use crate::supervisor::{Outcome, WorkerFailure};
 use crate::worker_env::GenerationView;
@@ -38,10 +38,11 @@ impl Agent {
                     "a worker failed while draining"
                 );
             } else {
-                self.node.events.emit(
-                    "worker_failed",
-                    json!({"generation": view.generation, "rank": f.rank, "exit_code": f.exit_code}),
-                );
+                self.node.events.emit(Event::WorkerFailed {
+                    generation: view.generation,
+                    rank: f.rank,
+                    exit_code: f.exit_code,
+                });
             }
         }
         let mut input = AfterGroup {

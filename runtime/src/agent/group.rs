@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use elastic::Generation;
-use serde_json::json;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
@@ -16,6 +15,7 @@ use super::drain::start_drain;
 use super::membership::{Membership, fenced_metrics};
 use super::pipeline::{BETWEEN_GENERATIONS_FLUSH_MS, tracker_complete};
 use super::{Agent, FLUSH_TIMEOUT_MS};
+use crate::events::{DrainReason, Event};
 use crate::notice;
 use crate::pipeline::StepToCommit;
 use crate::supervisor::{self, Command, Outcome};
@@ -65,10 +65,10 @@ impl Agent {
             )
             .in_current_span(),
         );
-        node.events.emit(
-            "workers_started",
-            json!({"generation": view.generation, "restart_count": *restarts}),
-        );
+        node.events.emit(Event::WorkersStarted {
+            generation: view.generation,
+            restart_count: *restarts,
+        });
         let mut first_step_seen = false;
         let mut first_step_poll = tokio::time::interval(Duration::from_millis(FIRST_STEP_POLL_MS));
         let mut stop_why: Option<StopWhy> = None;
@@ -88,7 +88,7 @@ impl Agent {
                 Some(sig) = signals.recv() => {
                     if drain.is_none_or(|d| !d.local) {
                         tracing::warn!(signal = sig, "signal received; draining");
-                        node.events.emit("drain_started", json!({"reason": "signal"}));
+                        node.events.emit(Event::DrainStarted { reason: DrainReason::Signal });
                         *drain = Some(start_drain(node, membership, &cmd_tx, true).await);
                     } else {
                         tracing::warn!(signal = sig, "second signal; forwarding it to the workers");
@@ -100,7 +100,7 @@ impl Agent {
                         *approval = a.or(approval.take());
                         if drain.is_none_or(|d| !d.local) {
                             tracing::warn!(notice = %why, "preemption notice; draining");
-                            node.events.emit("drain_started", json!({"reason": "notice"}));
+                            node.events.emit(Event::DrainStarted { reason: DrainReason::Notice });
                             *drain = Some(start_drain(node, membership, &cmd_tx, true).await);
                         }
                     }
@@ -137,7 +137,7 @@ impl Agent {
                     if let Some(step) = state.last_step() {
                         first_step_seen = true;
                         tracing::info!(step, "first step of the generation");
-                        node.events.emit("first_step", json!({"generation": view.generation, "step": step}));
+                        node.events.emit(Event::FirstStep { generation: view.generation, step });
                     }
                 }
                 Ok(()) = committed_rx.changed(), if matches!(*membership, Membership::Etcd(_)) => {
@@ -162,7 +162,7 @@ impl Agent {
                         let peer_draining = snap.draining.iter().any(|n| *n != node.node_id && g.member(n).is_some());
                         if peer_draining {
                             tracing::warn!(draining = ?snap.draining, "a peer is draining; saving and stopping with it");
-                            node.events.emit("drain_started", json!({"reason": "peer"}));
+                            node.events.emit(Event::DrainStarted { reason: DrainReason::Peer });
                             *drain = Some(start_drain(node, membership, &cmd_tx, false).await);
                         }
                     }
@@ -176,7 +176,7 @@ impl Agent {
                     }
                 }, if stop_why.is_none() => {
                     tracing::error!(error = %e, "fenced: stopping the workers before peers re-form the job");
-                    node.events.emit("fenced", json!({"reason": e.to_string()}));
+                    node.events.emit(Event::Fenced { reason: e.to_string() });
                     fenced_metrics(&node.state, true);
                     stop_why = Some(StopWhy::Fenced);
                     let _ = cmd_tx.send(Command::Stop).await;

@@ -9,14 +9,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use elastic::{Generation, Handle, Rendezvous, RendezvousConfig, Snapshot};
-use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
 use super::Node;
 use super::config::explain_etcd_error;
 use super::pipeline::Committer;
 use crate::agent_socket::AgentState;
-use crate::events::Events;
+use crate::events::{DrainReason, Event, Events};
 use crate::notice;
 use crate::worker_env::GenerationView;
 
@@ -61,7 +60,10 @@ impl EtcdMember {
                 )
             })?;
         tracing::info!(addr = %cfg.addr, lease = handle.lease_id(), "joined the job");
-        events.emit("joined", json!({"addr": cfg.addr}));
+        events.emit(Event::Joined {
+            addr: cfg.addr.clone(),
+            rejoin: false,
+        });
         let snap = handle.subscribe();
         Ok(EtcdMember {
             cfg,
@@ -80,7 +82,10 @@ impl EtcdMember {
             match Rendezvous::join(self.cfg.clone()).await {
                 Ok(h) => {
                     tracing::info!(lease = h.lease_id(), "joined the job again");
-                    events.emit("joined", json!({"addr": self.cfg.addr, "rejoin": true}));
+                    events.emit(Event::Joined {
+                        addr: self.cfg.addr.clone(),
+                        rejoin: true,
+                    });
                     self.snap = h.subscribe();
                     if let Some(step) = self.committed {
                         h.note_commit(step);
@@ -144,7 +149,7 @@ pub(super) async fn wait_generation(
             r = h.next_generation() => r,
             Some(sig) = signals.recv() => {
                 tracing::warn!(signal = sig, "signal while no workers run; leaving");
-                node.events.emit("drain_started", json!({"reason": "signal"}));
+                node.events.emit(Event::DrainStarted { reason: DrainReason::Signal });
                 return Ok(Next::Exit(leave_etcd(m).await));
             }
             Some(n) = notices.recv() => {
@@ -153,7 +158,7 @@ pub(super) async fn wait_generation(
                     continue;
                 };
                 tracing::warn!(notice = %why, "preemption notice while no workers run; leaving");
-                node.events.emit("drain_started", json!({"reason": "notice"}));
+                node.events.emit(Event::DrainStarted { reason: DrainReason::Notice });
                 let code = leave_etcd(m).await;
                 if let Some(a) = approval {
                     notice::approve(&a, &node.state.metrics).await;
@@ -185,7 +190,9 @@ pub(super) async fn wait_generation(
             }
             Err(e @ elastic::Error::Fenced { .. }) => {
                 tracing::error!(error = %e, "fenced while waiting; joining again");
-                node.events.emit("fenced", json!({"reason": e.to_string()}));
+                node.events.emit(Event::Fenced {
+                    reason: e.to_string(),
+                });
                 fenced_metrics(&node.state, true);
                 m.handle = None;
             }

@@ -66,7 +66,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use checkpoint::CancellationToken;
 use elastic::Generation;
-use serde_json::json;
 use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
@@ -81,11 +80,12 @@ use decide::restore_is_retryable;
 use dirs::{RunDir, Staging, remove_staged};
 use drain::Drain;
 use membership::{Membership, Next, leave, wait_generation};
+pub use pipeline::COMMIT_PIPELINE_CHECKPOINTS;
 use pipeline::Committer;
 
 use crate::agent_socket::{AgentState, Received};
 use crate::cli::Cli;
-use crate::events::Events;
+use crate::events::{Event, Events};
 use crate::notice;
 use crate::pipeline::StepTracker;
 use crate::pipeline::StoreSink;
@@ -122,7 +122,7 @@ pub async fn run(cli: Cli) -> Result<u8> {
 async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: String) -> Result<u8> {
     let (mut agent, services) = start::start(cli, mode, nproc, node_id, run_id).await?;
     let code = agent.run().await?;
-    agent.node.events.emit("exit", json!({"code": code}));
+    agent.node.events.emit(Event::Exit { code });
     services.stop(agent.committer).await;
     Ok(code)
 }
@@ -279,10 +279,11 @@ impl Agent {
                 match r {
                     Ok((point, skipped)) => {
                         if !skipped.is_empty() {
-                            node.events.emit(
-                                "restore_fell_back",
-                                json!({"generation": view.generation, "skipped": skipped, "step": point.step}),
-                            );
+                            node.events.emit(Event::RestoreFellBack {
+                                generation: view.generation,
+                                skipped,
+                                step: point.step,
+                            });
                         }
                         break point;
                     }
@@ -343,21 +344,18 @@ fn emit_generation(
     let members = g
         .map(|g| g.node_ids())
         .unwrap_or_else(|| vec![node.node_id.clone()]);
-    node.events.emit(
-        "generation",
-        json!({
-            "generation": view.generation,
-            "world_size": view.world_size,
-            "node_rank": view.node_rank,
-            "rank_offset": view.rank_offset,
-            "members": members,
-            "lr_scale": s.lr_scale,
-            "lr": s.lr,
-            "batch_size": s.per_worker_batch,
-            "global_batch": s.global_batch,
-            "grad_accum_steps": s.grad_accum_steps,
-            "resume_step": view.resume.as_ref().map(|r| r.step),
-            "prev_last_step": prev_last_step,
-        }),
-    );
+    node.events.emit(Event::Generation {
+        generation: view.generation,
+        world_size: view.world_size,
+        node_rank: view.node_rank,
+        rank_offset: view.rank_offset,
+        members,
+        lr_scale: s.lr_scale,
+        lr: s.lr,
+        batch_size: s.per_worker_batch,
+        global_batch: s.global_batch,
+        grad_accum_steps: s.grad_accum_steps,
+        resume_step: view.resume.as_ref().map(|r| r.step),
+        prev_last_step,
+    });
 }

@@ -14,9 +14,8 @@ use tracing::Instrument;
 use super::Node;
 use super::dirs::remove_inside_staging;
 use crate::agent_socket::{AgentState, Received, StagedPart};
-use crate::events::Events;
-use crate::pipeline::StepTracker;
-use crate::pipeline::{StepToCommit, StoreSink};
+use crate::events::{Event, Events};
+use crate::pipeline::{StepToCommit, StepTracker, StoreSink};
 use crate::worker_env::GenerationView;
 
 /// Complete steps queued for the committer besides the one it is committing. With one more
@@ -26,9 +25,15 @@ use crate::worker_env::GenerationView;
 /// lose while the store is slow.
 pub(super) const COMMIT_QUEUE_MAX: usize = 1;
 /// Snapshots of this node that may stand in staging at once: the four uncommitted ones above
-/// and the one being written. Staging smaller than that many checkpoints is reported at the
-/// first one; when it fills, a worker skips its snapshot and the step is given up.
-pub(super) const STAGED_CHECKPOINTS_MAX: u64 = 5;
+/// (the one being committed, the queued ones, the one held by the agent loop, the one in the
+/// socket channel) and the one being written. Staging smaller than that many checkpoints is
+/// reported at the first one; when it fills, a worker skips its snapshot and the step is given
+/// up.
+pub(super) const STAGED_CHECKPOINTS_MAX: u64 = 1 + COMMIT_QUEUE_MAX as u64 + 1 + 1 + 1;
+/// The commit pipeline's depth: how many checkpoint intervals a node's training may run ahead
+/// of its newest commit (`STAGED_CHECKPOINTS_MAX`; a worker saving beyond it waits), so how
+/// many a crash may lose while the store is slow. Exported for tools that bound lost work.
+pub const COMMIT_PIPELINE_CHECKPOINTS: u64 = STAGED_CHECKPOINTS_MAX;
 /// How long pending commits may take between two generations before they are cancelled (a
 /// step a lost peer never uploaded cannot complete).
 pub(super) const BETWEEN_GENERATIONS_FLUSH_MS: u64 = 3_000;
@@ -253,10 +258,12 @@ pub(super) fn check_staging_room(
              and that checkpoint is given up; give --staging-dir a larger file system \
              (or docker --shm-size) to keep every checkpoint"
         );
-        node.events.emit(
-            "staging_too_small",
-            json!({"step": step, "checkpoint_bytes": bytes, "staging_bytes": fs_bytes, "needed_bytes": needed}),
-        );
+        node.events.emit(Event::StagingTooSmall {
+            step,
+            checkpoint_bytes: bytes,
+            staging_bytes: fs_bytes,
+            needed_bytes: needed,
+        });
     }
 }
 
@@ -282,10 +289,12 @@ pub(super) fn give_up_step(node: &Node, generation: u64, rank: u32, step: u64, w
         .metrics
         .checkpoint_failures_total
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    node.events.emit(
-        "checkpoint_skipped",
-        json!({"step": step, "generation": generation, "rank": rank, "reason": why}),
-    );
+    node.events.emit(Event::CheckpointSkipped {
+        step,
+        generation,
+        rank,
+        reason: why.clone(),
+    });
     let store = node.sink.store().clone();
     let writer = crate::pipeline::writer_id(generation, rank);
     tokio::spawn(
@@ -334,10 +343,12 @@ pub(super) async fn commit_loop(
                     "checkpoint committed"
                 );
                 state.metrics.committed(step, done.bytes, t0.elapsed());
-                events.emit(
-                    "checkpoint_committed",
-                    json!({"step": step, "generation": generation, "bytes": done.bytes, "by_this_node": done.by_this_node}),
-                );
+                events.emit(Event::CheckpointCommitted {
+                    step,
+                    generation,
+                    bytes: done.bytes,
+                    by_this_node: done.by_this_node,
+                });
                 committed.send_modify(|c| {
                     if c.is_none_or(|c| c < step) {
                         *c = Some(step);

@@ -119,7 +119,12 @@ pub(super) async fn start(
         let mut cfg = notice::Config::new(n, cli.monitor_interval.max(Duration::from_secs(1)));
         cfg.rebalance = cli.rebalance_action;
         cfg.azure_vm_name = cli.azure_vm_name.clone();
-        tokio::spawn(notice::poll(cfg, state.clone(), notice_tx))
+        tokio::spawn(notice::poll(
+            cfg,
+            state.clone(),
+            notice_tx,
+            CancellationToken::new(),
+        ))
     });
 
     let node = Node {

@@ -46,7 +46,7 @@ pub const STARTUP_TIMEOUT_DEFAULT: &str = "10m";
 /// Default `--checkpoint-interval` in steps; 0 means interval checkpoints are off.
 pub const CHECKPOINT_INTERVAL_DEFAULT: u64 = 0;
 /// Default `--checkpoint-keep-last`: committed steps retention keeps.
-pub const CHECKPOINT_KEEP_LAST_DEFAULT: usize = 3;
+pub const CHECKPOINT_KEEP_LAST_DEFAULT: usize = crate::pipeline::KEEP_STEPS_DEFAULT;
 /// Default `--role`, torchrun's.
 pub const ROLE_DEFAULT: &str = "default";
 /// Default `--rdzv-id`, torchrun's.

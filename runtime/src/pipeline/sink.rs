@@ -26,6 +26,8 @@ pub(super) const MARKER_VERSION: u32 = 2;
 pub(super) const LEFTOVER_AGE_MS_MIN: u64 = 3_600_000;
 /// Temporary names inside the restore root start with this.
 pub(super) const TMP_PREFIX: &str = ".tmp-";
+/// Committed steps retention keeps unless told otherwise ([`SinkOptions::keep_steps`]).
+pub const KEEP_STEPS_DEFAULT: usize = 3;
 
 /// Tunables, with units in their names. `Debug` shows the keys of `store_config`, never
 /// their values (they may be credentials).
@@ -56,7 +58,7 @@ impl Default for SinkOptions {
         SinkOptions {
             commit_wait_ms: 120_000,
             retry_pause_ms: 200,
-            keep_steps: 3,
+            keep_steps: KEEP_STEPS_DEFAULT,
             keep_every: None,
             save: SaveOptions::default(),
             compression: checkpoint::Compression::Auto,

@@ -1,0 +1,383 @@
+//! What each fault cost ([`effects`]: detection, recovery, the steps redone), and the checks
+//! on it: lost work stays within its bound, and every fault aimed at a node took effect.
+
+use super::{Check, FaultEffect, Fired};
+use crate::events::{Event, Record, first_steps, generations};
+use crate::scenario::{FaultKind, Scenario};
+
+/// Checkpoint intervals a node's training may run ahead of its newest commit: the step being
+/// committed, one queued, one held by the agent loop, one in the socket channel, and the one a
+/// waiting worker has just written (elastic-run's commit pipeline; a worker saving beyond it
+/// waits).
+pub use runtime::agent::COMMIT_PIPELINE_CHECKPOINTS;
+/// How long after store trouble ends its backlog may still be draining.
+pub const STORE_BACKLOG_WINDOW_MS: u64 = 30_000;
+
+/// The generation current at `t` (the newest generation event before it).
+fn generation_at(events: &[Record], t: u64) -> u64 {
+    generations(events)
+        .filter(|g| g.record.ts_ms <= t)
+        .map(|g| g.generation)
+        .max()
+        .unwrap_or(0)
+}
+
+pub fn effects(events: &[Record], fired: &[Fired]) -> Vec<FaultEffect> {
+    fired
+        .iter()
+        .map(|f| {
+            let t = f.at_unix_ms;
+            let g0 = generation_at(events, t);
+            let detection_ms = events
+                .iter()
+                .filter(|e| e.ts_ms >= t)
+                .filter(|e| match e.event {
+                    Event::DrainStarted { .. }
+                    | Event::Fenced { .. }
+                    | Event::WorkerFailed { .. } => true,
+                    Event::Generation { generation, .. } => generation > g0,
+                    _ => false,
+                })
+                .map(|e| e.ts_ms - t)
+                .min();
+            let next = generations(events)
+                .filter(|g| g.record.ts_ms >= t && g.generation > g0)
+                .map(|g| g.generation)
+                .min();
+            let (resume_step, lost_steps, recovery_ms) = match next {
+                Some(n) => {
+                    let gens: Vec<_> = generations(events).filter(|g| g.generation == n).collect();
+                    let resume = gens.iter().find_map(|g| g.resume_step);
+                    let reached = gens.iter().filter_map(|g| g.prev_last_step).max();
+                    // `prev_last_step` is the newest step any generation reported. When the
+                    // generation the fault hit never trained (it was still starting), those
+                    // steps were lost by the fault that ended an earlier one, not by this.
+                    let next_ts = gens
+                        .iter()
+                        .map(|g| g.record.ts_ms)
+                        .min()
+                        .unwrap_or(u64::MAX);
+                    let g0_trained =
+                        first_steps(events).any(|(e, g, _)| g == g0 && e.ts_ms < next_ts);
+                    let lost = reached.map(|r| {
+                        if g0_trained {
+                            r.saturating_sub(resume.unwrap_or(0))
+                        } else {
+                            0
+                        }
+                    });
+                    // Training again: the first step of that generation or of any later one
+                    // (a generation can be superseded before it trains, as when a partitioned
+                    // node comes back at once).
+                    let rec = first_steps(events)
+                        .filter(|(e, g, _)| e.ts_ms >= t && *g >= n)
+                        .map(|(e, _, _)| e.ts_ms - t)
+                        .min();
+                    (resume, lost, rec)
+                }
+                None => (None, None, None),
+            };
+            FaultEffect {
+                kind: f.fault.kind,
+                node: f.fault.node,
+                at_unix_ms: t,
+                skipped: f.skipped.clone(),
+                detection_ms,
+                recovery_ms,
+                next_generation: next,
+                resume_step,
+                lost_steps,
+            }
+        })
+        .collect()
+}
+
+/// Whether node `node` was fenced at `t`: its last `fenced` event before `t` came after its
+/// last `joined`.
+fn fenced_at(events: &[Record], node: usize, t: u64) -> bool {
+    let name = format!("node{node}");
+    let last = |fenced: bool| {
+        events
+            .iter()
+            .filter(|e| e.node == name && e.ts_ms <= t)
+            .filter(|e| match e.event {
+                Event::Fenced { .. } => fenced,
+                Event::Joined { .. } => !fenced,
+                _ => false,
+            })
+            .map(|e| e.ts_ms)
+            .max()
+    };
+    match (last(true), last(false)) {
+        (Some(f), Some(j)) => f >= j,
+        (Some(_), None) => true,
+        _ => false,
+    }
+}
+
+/// Whether some node's staging filesystem was full at `t`. A drain's step needs every rank's
+/// part, so one full node makes the whole drain's save fail, wherever the preemption hit.
+fn staging_full_anywhere_at(fired: &[Fired], t: u64) -> bool {
+    fired.iter().any(|f| {
+        f.skipped.is_none()
+            && f.fault.kind == FaultKind::StagingFull
+            && f.at_unix_ms <= t
+            && t <= f.at_unix_ms + f.fault.duration_ms
+    })
+}
+
+/// Whether a store fault was active at `t` or ended less than the backlog window before it.
+fn store_trouble_before(fired: &[Fired], t: u64) -> bool {
+    fired.iter().any(|f| {
+        f.skipped.is_none()
+            && f.fault.kind.needs_s3()
+            && f.at_unix_ms <= t
+            && f.at_unix_ms + f.fault.duration_ms + STORE_BACKLOG_WINDOW_MS >= t
+    })
+}
+
+/// 4. Lost work per fault. After store trouble the agents hold a backlog of staged,
+///    uncommitted checkpoints (at most the commit pipeline's depth: workers wait beyond it),
+///    so a crash then may lose up to that many intervals.
+pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]) -> Check {
+    let mut bad = Vec::new();
+    for e in effects(events, fired) {
+        if e.skipped.is_some() {
+            continue;
+        }
+        let backlog = store_trouble_before(fired, e.at_unix_ms);
+        let crash_bound = if backlog {
+            s.checkpoint_interval * COMMIT_PIPELINE_CHECKPOINTS
+        } else {
+            s.checkpoint_interval
+        };
+        let bound = match e.kind {
+            // A node already fenced (cut off from etcd, its workers stopped) when the
+            // preemption came has nothing left to save: it lost what a partition loses.
+            // Nor can a drain while any node's staging filesystem is full: the agreed step
+            // lacks that node's part.
+            k if k.is_preemption()
+                && (fenced_at(events, e.node, e.at_unix_ms)
+                    || staging_full_anywhere_at(fired, e.at_unix_ms)) =>
+            {
+                Some(crash_bound)
+            }
+            k if k.is_preemption() => Some(0),
+            FaultKind::SigkillAgent
+            | FaultKind::SigkillWorker
+            | FaultKind::Partition
+            | FaultKind::Blackhole
+            | FaultKind::SigstopWorker => Some(crash_bound),
+            _ => None,
+        };
+        if let (Some(b), Some(l)) = (bound, e.lost_steps)
+            && l > b
+        {
+            bad.push(format!("{:?} on node {}: lost {l} > {b}", e.kind, e.node));
+        }
+    }
+    Check::new(
+        "lost_work_bounded",
+        bad.is_empty(),
+        if bad.is_empty() {
+            format!(
+                "0 for preemptions, at most the checkpoint interval otherwise ({COMMIT_PIPELINE_CHECKPOINTS} intervals within {STORE_BACKLOG_WINDOW_MS} ms of store trouble)"
+            )
+        } else {
+            bad.join("; ")
+        },
+    )
+}
+
+/// 4b. Every fault aimed at a node hit it while it trained (else the scenario proves
+///     nothing): the job reacted with a drain, a fence, a failure or a new generation.
+///     Random scenarios (`soak`) may miss (a worker kill while workers restart, a full
+///     staging while nobody saves): there the misses are listed, not judged.
+pub(super) fn faults_took_effect(s: &Scenario, events: &[Record], fired: &[Fired]) -> Check {
+    let missed: Vec<String> = effects(events, fired)
+        .iter()
+        .filter(|e| {
+            // Store faults and etcd restarts need no reaction (agents ride them out).
+            !(matches!(e.kind, FaultKind::Join | FaultKind::EtcdRestart) || e.kind.needs_s3())
+                && e.detection_ms.is_none()
+        })
+        .map(|e| match &e.skipped {
+            Some(why) => format!("{:?} on node {} (skipped: {why})", e.kind, e.node),
+            None => format!("{:?} on node {}", e.kind, e.node),
+        })
+        .collect();
+    Check::new(
+        "faults_took_effect",
+        missed.is_empty() || !s.require_fault_effect,
+        if missed.is_empty() {
+            format!("{} fault(s) injected", fired.len())
+        } else {
+            format!("no reaction to: {}", missed.join(", "))
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::check;
+    use super::super::tests::{
+        drain, events, fenced, fired, first_step, generation, joined, outcome, scenario,
+    };
+    use super::*;
+    use crate::events::DrainReason;
+    use crate::scenario::Fault;
+
+    fn lost_work_check(s: &Scenario, evs: &[Record], f: &[Fired]) -> Check {
+        check(s, evs, f, &outcome())
+            .into_iter()
+            .find(|c| c.name == "lost_work_bounded")
+            .unwrap()
+    }
+
+    #[test]
+    fn a_fault_in_a_generation_that_never_trained_loses_nothing_of_its_own() {
+        // Generation 2 resumes from 10 after the kill (13 reached) and is preempted before its
+        // first step; generation 3 resumes from 10 again with prev_last_step still 13.
+        let mut evs = events();
+        evs.truncate(5);
+        evs.push(drain(6500, "a", DrainReason::Notice));
+        evs.push(generation(7000, "a", 3, 1, Some(10), Some(13)));
+        evs.push(first_step(9000, "a", 3, 11));
+        let mut f = fired(FaultKind::SigkillAgent);
+        f.push(Fired {
+            fault: Fault {
+                at_ms: 0,
+                kind: FaultKind::Notice,
+                node: 0,
+                duration_ms: 0,
+                delay_ms: 0,
+            },
+            at_unix_ms: 6400,
+            skipped: None,
+        });
+        let e = effects(&evs, &f);
+        assert_eq!(e[0].lost_steps, Some(3), "the kill lost 11..13");
+        assert_eq!(
+            e[1].lost_steps,
+            Some(0),
+            "the notice hit a generation with no step"
+        );
+        let lost = lost_work_check(&scenario(), &evs, &f);
+        assert!(lost.ok, "{lost:?}");
+        // Had generation 2 trained, the notice would own the loss.
+        evs.push(first_step(6200, "a", 2, 11));
+        assert_eq!(effects(&evs, &f)[1].lost_steps, Some(3));
+    }
+
+    #[test]
+    fn a_crash_soon_after_store_trouble_may_lose_the_commit_backlog() {
+        let s = scenario();
+        // The kill at 3500 ms costs 13 steps: the newest commit was step 0.
+        let mut evs = events();
+        set_resume_step(&mut evs[4], 0);
+        let lost_ok = |f: &[Fired]| lost_work_check(&s, &evs, f).ok;
+        assert!(!lost_ok(&fired(FaultKind::SigkillAgent)), "13 > interval 5");
+        let slow = |at_unix_ms: u64| Fired {
+            fault: Fault {
+                at_ms: 0,
+                kind: FaultKind::StoreSlow,
+                node: 0,
+                duration_ms: 2_000,
+                delay_ms: 1_500,
+            },
+            at_unix_ms,
+            skipped: None,
+        };
+        let mut f = vec![slow(1_000)];
+        f.extend(fired(FaultKind::SigkillAgent));
+        assert!(lost_ok(&f), "13 <= 5 intervals after a slow store");
+        // Store trouble long over (or only after the kill) excuses nothing.
+        let mut f = fired(FaultKind::SigkillAgent);
+        f.push(slow(3_600));
+        assert!(!lost_ok(&f));
+        set_resume_step(&mut evs[4], 0);
+        let mut evs_late = evs.clone();
+        for e in &mut evs_late {
+            e.ts_ms += 100_000;
+        }
+        let mut f = vec![slow(1_000)];
+        let mut k = fired(FaultKind::SigkillAgent);
+        k[0].at_unix_ms += 100_000;
+        f.extend(k);
+        assert!(!lost_work_check(&s, &evs_late, &f).ok);
+    }
+
+    fn set_resume_step(r: &mut Record, step: u64) {
+        let Event::Generation { resume_step, .. } = &mut r.event else {
+            panic!("not a generation: {r:?}")
+        };
+        *resume_step = Some(step);
+    }
+
+    #[test]
+    fn after_store_trouble_a_crash_may_lose_the_runtimes_pipeline_depth_and_no_more() {
+        let s = scenario();
+        let mut evs = events();
+        set_resume_step(&mut evs[4], 0);
+        let mut evs_one_more = evs.clone();
+        let Event::Generation { prev_last_step, .. } = &mut evs_one_more[4].event else {
+            unreachable!()
+        };
+        *prev_last_step = Some(s.checkpoint_interval * COMMIT_PIPELINE_CHECKPOINTS + 1);
+        let slow = Fired {
+            fault: Fault {
+                at_ms: 0,
+                kind: FaultKind::StoreOutage,
+                node: 0,
+                duration_ms: 2_000,
+                delay_ms: 0,
+            },
+            at_unix_ms: 1_000,
+            skipped: None,
+        };
+        let mut f = vec![slow];
+        f.extend(fired(FaultKind::SigkillAgent));
+        assert!(lost_work_check(&s, &evs, &f).ok);
+        assert!(!lost_work_check(&s, &evs_one_more, &f).ok);
+    }
+
+    #[test]
+    fn a_preemption_of_a_fenced_node_may_lose_what_a_crash_loses() {
+        let s = scenario();
+        let lost_ok = |evs: &[Record]| lost_work_check(&s, evs, &fired(FaultKind::SigtermAgent)).ok;
+        // events() loses 3 steps at the fault (3500 ms): a preemption must lose none...
+        let mut evs = events();
+        evs.push(joined(500, "node2", false));
+        assert!(!lost_ok(&evs));
+        // ...unless its node was fenced when the signal came (and had not joined again).
+        evs.push(fenced(3400, "node2"));
+        assert!(lost_ok(&evs));
+        evs.push(joined(3450, "node2", true));
+        assert!(!lost_ok(&evs), "joined again before the signal");
+        // A full staging filesystem on any node makes the drain's save fail.
+        let mut f = fired(FaultKind::SigtermAgent);
+        f.insert(
+            0,
+            Fired {
+                fault: Fault {
+                    at_ms: 0,
+                    kind: FaultKind::StagingFull,
+                    node: 2,
+                    duration_ms: 4_000,
+                    delay_ms: 0,
+                },
+                at_unix_ms: 1_000,
+                skipped: None,
+            },
+        );
+        let ok = |f: &[Fired]| lost_work_check(&s, &evs, f).ok;
+        assert!(ok(&f));
+        f[0].fault.node = 1;
+        assert!(ok(&f), "a peer's full staging fails the drain's step too");
+        f[0].fault.duration_ms = 2_000;
+        assert!(
+            !ok(&f),
+            "staging that had room again before the signal is no excuse"
+        );
+    }
+}
