@@ -8,7 +8,7 @@
 //!   `testdata/agent_decide.json`); `config.rs` reads the command line; `start.rs` creates
 //!   what the agent runs with; `membership.rs` follows the job (fixed, or an etcd member);
 //!   `group.rs` runs one worker group; `after.rs` carries out the decision; `drain.rs`,
-//!   `pipeline.rs` (the agent's commit queue) and `dirs.rs` (run and staging directories)
+//!   `committer.rs` (the agent's commit queue) and `dirs.rs` (run and staging directories)
 //!   serve them. [`signals`] and [`notice`] (cloud preemption notices; `notice/`: the
 //!   watch and its types in `mod.rs`, one file per cloud, `aws.rs`, `gcp.rs`, `azure.rs`,
 //!   and the shared HTTP client in `http.rs`) start its drain; [`logging`] sets up

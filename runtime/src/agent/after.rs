@@ -8,10 +8,10 @@ use std::time::Duration;
 use anyhow::Result;
 use elastic::Generation;
 
+use super::committer::{BETWEEN_GENERATIONS_FLUSH_MS, flush};
 use super::decide::{self, Action, AfterGroup, DrainOf, Ended, FailureSeen, Reason};
 use super::group::GroupEnd;
 use super::membership::{Membership, failure_counts, fenced_metrics, leave};
-use super::pipeline::{BETWEEN_GENERATIONS_FLUSH_MS, flush};
 use super::{Agent, FLUSH_TIMEOUT_MS};
 use crate::agent_socket::AgentState;
 use crate::events::Event;

@@ -10,10 +10,10 @@ use elastic::Generation;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
+use super::committer::{BETWEEN_GENERATIONS_FLUSH_MS, tracker_complete};
 use super::decide::{StopWhy, must_stop};
 use super::drain::start_drain;
 use super::membership::{Membership, fenced_metrics};
-use super::pipeline::{BETWEEN_GENERATIONS_FLUSH_MS, tracker_complete};
 use super::{Agent, FLUSH_TIMEOUT_MS};
 use crate::events::{DrainReason, Event};
 use crate::notice;

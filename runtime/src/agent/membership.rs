@@ -12,8 +12,8 @@ use elastic::{Generation, Handle, Rendezvous, RendezvousConfig, Snapshot};
 use tokio::sync::{mpsc, watch};
 
 use super::Node;
+use super::committer::Committer;
 use super::config::explain_etcd_error;
-use super::pipeline::Committer;
 use crate::agent_socket::AgentState;
 use crate::events::{DrainReason, Event, Events};
 use crate::notice;

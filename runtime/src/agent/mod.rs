@@ -50,13 +50,13 @@
 //! that had to kill workers or lost a commit; 2 for usage errors; 1 otherwise.
 
 mod after;
+mod committer;
 mod config;
 pub mod decide;
 mod dirs;
 mod drain;
 mod group;
 mod membership;
-mod pipeline;
 mod start;
 
 use std::ops::ControlFlow;
@@ -69,6 +69,8 @@ use elastic::Generation;
 use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
+pub use committer::COMMIT_PIPELINE_CHECKPOINTS;
+use committer::Committer;
 pub use config::{
     ETCD_PASSWORD_ENV, ETCD_USERNAME_ENV, ETCDCTL_PASSWORD_ENV, ETCDCTL_USER_ENV, Mode,
     RDZV_CONF_CONNECT_KEYS, RDZV_CONF_IGNORED_KEYS, RDZV_CONF_KEYS, UsageError, etcd_connect,
@@ -80,8 +82,6 @@ use decide::restore_is_retryable;
 use dirs::{RunDir, Staging, remove_staged};
 use drain::Drain;
 use membership::{Membership, Next, leave, wait_generation};
-pub use pipeline::COMMIT_PIPELINE_CHECKPOINTS;
-use pipeline::Committer;
 
 use crate::agent_socket::{AgentState, Received};
 use crate::cli::Cli;
@@ -169,6 +169,8 @@ struct Agent {
 /// What the agent serves while it runs, stopped after the last generation.
 struct Services {
     shutdown: watch::Sender<bool>,
+    /// Cancels the notice poller (a GCP wait may hang for a minute).
+    stop_tasks: CancellationToken,
     server: tokio::task::JoinHandle<()>,
     metrics_server: Option<tokio::task::JoinHandle<()>>,
     poller: Option<tokio::task::JoinHandle<()>>,
@@ -189,7 +191,10 @@ impl Services {
         if let Some(m) = self.metrics_server {
             let _ = m.await;
         }
-        drop(self.poller);
+        self.stop_tasks.cancel();
+        if let Some(p) = self.poller {
+            let _ = tokio::time::timeout(Duration::from_millis(OUTPUT_FLUSH_MS), p).await;
+        }
         drop(self.run_dir);
         drop(self.staging);
     }

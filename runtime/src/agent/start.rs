@@ -9,10 +9,10 @@ use anyhow::{Context, Result};
 use checkpoint::CancellationToken;
 use tokio::sync::{mpsc, watch};
 
+use super::committer::Committer;
 use super::config::{Mode, free_port, rendezvous_config, scaling_config, usage, worker_argv};
 use super::dirs::{RunDir, Staging};
 use super::membership::{EtcdMember, Membership, fenced_metrics};
-use super::pipeline::Committer;
 use super::{Agent, Node, RESTORE_DIR, STOP_GRACE_MS, Services};
 use crate::agent_socket::{self, AgentState, Received};
 use crate::cli::Cli;
@@ -115,6 +115,8 @@ pub(super) async fn start(
         None => None,
     };
     let (notice_tx, notices) = mpsc::channel::<notice::Notice>(1);
+    // Stops the agent's background tasks when it exits.
+    let stop_tasks = CancellationToken::new();
     let poller = cli.preemption_notice.clone().map(|n| {
         let mut cfg = notice::Config::new(n, cli.monitor_interval.max(Duration::from_secs(1)));
         cfg.rebalance = cli.rebalance_action;
@@ -123,7 +125,7 @@ pub(super) async fn start(
             cfg,
             state.clone(),
             notice_tx,
-            CancellationToken::new(),
+            stop_tasks.clone(),
         ))
     });
 
@@ -224,6 +226,7 @@ pub(super) async fn start(
     };
     let services = Services {
         shutdown: shutdown_tx,
+        stop_tasks,
         server,
         metrics_server,
         poller,
