@@ -12,7 +12,8 @@
 //! - [`harness`]: runs a scenario: etcd, moto, proxies, N `elastic-run` agents as simulated
 //!   nodes (on loopback, or each in its own network namespace), the faults, then the checks and
 //!   the report. `harness/`: the run loop in `mod.rs`, the nodes in `nodes.rs`, fault injection
-//!   in `faults.rs`, processes in `procs.rs`, what a run left in `end_state.rs`.
+//!   in `faults.rs` (the staging tmpfs mounts in `mounts.rs`), processes in `procs.rs`, what a
+//!   run left in `end_state.rs`.
 //! - [`events`]: the agents' `--events-file` read back as the runtime's typed records
 //!   (`runtime::events::Record`); a line that is no record is reported by file and line.
 //! - [`invariants`]: the checks, pure functions of the events, faults and end state;

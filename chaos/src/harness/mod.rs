@@ -11,12 +11,13 @@
 //! Layout: this file has the scenario's run loop ([`run`]: the reference run, the services,
 //! the nodes one after another, the fault schedule, the end state, the checks and the
 //! report); `nodes.rs` starts and follows the simulated nodes (agents, etcd proxies, notice
-//! servers); `faults.rs` injects each fault; `procs.rs` finds and signals processes;
-//! `end_state.rs` reads what a run left (final line, error messages, the store verified and
-//! restored).
+//! servers); `faults.rs` injects each fault (`mounts.rs`: the staging tmpfs mounts);
+//! `procs.rs` finds and signals processes; `end_state.rs` reads what a run left (final line,
+//! error messages, the store verified and restored).
 
 mod end_state;
 mod faults;
+mod mounts;
 mod nodes;
 mod procs;
 
@@ -35,7 +36,7 @@ use crate::proxy::Proxy;
 use crate::report::{self, Report};
 use crate::scenario::{self as sc, Fault, FaultKind, Scenario, StoreKind, schedule};
 use end_state::{check_store, failure_message, final_line, store_options};
-use faults::Mounts;
+use mounts::Mounts;
 use nodes::Run;
 pub use procs::{children, leftovers, workers};
 

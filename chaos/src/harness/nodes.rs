@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 
 use super::Tools;
-use super::faults::Mounts;
+use super::mounts::Mounts;
 use crate::events::{EventLog, read_events};
 use crate::netns::{self, Network};
 use crate::proxy::Proxy;
