@@ -51,20 +51,36 @@ use checkpoint::{
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tracing::Instrument;
+use worker::protocol::{
+    FORMAT_VERSION, METADATA_BYTES_MAX, RESTORED_META, RESTORED_TENSORS, STAGED_META,
+    STAGED_TENSORS,
+};
 
-use crate::agent_socket::StagedPart;
+use crate::state::StagedPart;
 use crate::worker_env::ResumePoint;
 
-/// The staged tensor file of one rank (written by the worker client).
-pub const STAGED_TENSORS: &str = "tensors.safetensors";
-/// The staged metadata of one rank.
-pub const STAGED_META: &str = "meta.json";
-/// The snapshot format the worker clients write (`meta.json` `format_version`).
-pub const STAGED_FORMAT_VERSION: u64 = 1;
+// What the restore lays out is what the workers read (`worker::protocol`'s restored layout).
+const _: () = assert!(
+    same_str(RESTORE_FILE, RESTORED_TENSORS) && same_str(RESTORE_METADATA_FILE, RESTORED_META)
+);
+
+const fn same_str(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
 /// The marker listing the finished ranks of a restored step.
 pub const RESTORED_MARKER: &str = "restored.json";
-/// Largest `meta.json`, `metadata.json` or marker read.
-const META_BYTES_MAX: u64 = 16 * 1024 * 1024;
 /// Version of `restored.json`; a marker of any other version is ignored (restored again).
 const MARKER_VERSION: u32 = 2;
 /// Leftover (never committed) steps younger than this are kept by retention: they may be a
@@ -855,8 +871,10 @@ fn check_parts(step: u64, world_size: u32, parts: &[StagedPart]) -> Result<(), S
 
 fn read_json_bounded(path: &Path) -> Result<serde_json::Value, String> {
     let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
-    if meta.len() > META_BYTES_MAX {
-        return Err(format!("larger than {META_BYTES_MAX} bytes"));
+    // A staged `meta.json` is bounded by the protocol; `metadata.json` and the marker (the
+    // agent's own files) by the same number.
+    if meta.len() > METADATA_BYTES_MAX {
+        return Err(format!("larger than {METADATA_BYTES_MAX} bytes"));
     }
     let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
     serde_json::from_slice(&bytes).map_err(|e| format!("not JSON: {e}"))
@@ -879,12 +897,12 @@ fn read_staged(step: u64, world_size: u32, p: &StagedPart) -> Result<serde_json:
     let v = read_json_bounded(&path).map_err(|r| staged(path.clone(), r))?;
     let field = |k: &str| v.get(k).and_then(|x| x.as_u64());
     match field("format_version") {
-        Some(STAGED_FORMAT_VERSION) => {}
+        Some(v) if v == u64::from(FORMAT_VERSION) => {}
         other => {
             return Err(staged(
                 path,
                 format!(
-                    "unknown snapshot format version {other:?} (this agent reads {STAGED_FORMAT_VERSION})"
+                    "unknown snapshot format version {other:?} (this agent reads {FORMAT_VERSION})"
                 ),
             ));
         }

@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use checkpoint::{CancellationToken, Store};
-use runtime::agent_socket::StagedPart;
+use runtime::state::StagedPart;
 use runtime::store_sink::{SinkError, SinkOptions, StepToCommit, StoreSink};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};

@@ -12,10 +12,10 @@ use tokio::sync::{mpsc, watch};
 use super::Node;
 use super::config::explain_etcd_error;
 use super::pipeline::Committer;
-use crate::agent_socket::AgentState;
 use crate::events::Events;
 use crate::notice;
 use crate::scaling;
+use crate::state::AgentState;
 use crate::worker_env::GenerationView;
 
 /// Added to lease TTL + settle while a node whose workers failed waits for a membership change.

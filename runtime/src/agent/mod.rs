@@ -81,12 +81,13 @@ use membership::{
 };
 use pipeline::{BETWEEN_GENERATIONS_FLUSH_MS, Committer, flush, tracker_complete};
 
-use crate::agent_socket::{self, AgentState, Received};
+use crate::agent_socket;
 use crate::checkpoint_sink::StepTracker;
 use crate::cli::Cli;
 use crate::events::Events;
 use crate::notice;
 use crate::scaling::{self, ScalingConfig};
+use crate::state::{AgentState, Received};
 use crate::store_sink::{SinkOptions, StepToCommit, StoreSink};
 use crate::supervisor::{self, Command, Outcome, SupervisorConfig};
 use crate::worker_env::{GenerationView, WorkerSpec};
