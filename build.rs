@@ -1,1 +1,1 @@
-include!("runtime/build.rs");
+include!("runtime/worker/build.rs");

@@ -9,10 +9,10 @@
 //! stream; the final line prints a digest of the weights (`done step N weights HEX`).
 
 use anyhow::{Context, Result};
-use runtime::worker::Worker;
-use runtime::worker_tch;
 use serde_json::json;
 use tch::{Device, Kind, Tensor, nn, nn::Module};
+use worker::Worker;
+use worker::tch as worker_tch;
 
 const FEATURES: i64 = 8;
 const BATCH: i64 = 32;

@@ -121,7 +121,7 @@ fn rust_and_python_clients_split_a_snapshot_the_same_way() {
     let sizes: std::collections::BTreeMap<String, u64> = (0..40u64)
         .map(|i| (format!("t{i:02}"), (i * 7919) % 1000 + 1))
         .collect();
-    let rust = runtime::worker::assign_keys(&sizes, 3);
+    let rust = worker::assign_keys(&sizes, 3);
     let py = services::paths::python().unwrap();
     let json = serde_json::to_string(&sizes).unwrap();
     let out = Command::new(py)

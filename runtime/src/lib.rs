@@ -1,4 +1,6 @@
-//! The elastic-run node agent and the worker client libraries.
+//! The elastic-run node agent. The Rust worker client and the agent ↔ worker protocol are the
+//! `elastic-run-worker` crate (`runtime/worker/`, lib `worker`); the Python client is
+//! `python/`.
 //!
 //! # Layout
 //!
@@ -25,14 +27,21 @@
 //!   generation record.
 //! - [`supervisor`]: starts, watches and stops the workers of one node (process groups,
 //!   `PR_SET_PDEATHSIG`, hang watchdog); [`output`] prefixes their lines with the rank.
-//! - [`agent_socket`]: the agent ↔ worker Unix-socket protocol and its server.
+//! - [`state`]: [`state::AgentState`], what the agent tells its workers and learned from them
+//!   (shared by the socket server, the supervisor, the committer and the agent loop), and the
+//!   handling of one worker request, checked against [`worker::protocol`].
+//! - [`agent_socket`]: the Unix-socket server workers talk to; each line goes to
+//!   [`state::AgentState::handle_line`].
 //! - [`pipeline`]: the commit pipeline: [`pipeline::StepTracker`] says when every local rank
 //!   has staged a step; [`pipeline::StoreSink`] streams staged steps through the `checkpoint`
 //!   crate to any store and commits them across nodes (`commit.rs`), and restores a committed
 //!   step resharded for this node's ranks (`restore.rs`).
-//! - [`metrics`]: Prometheus counters and gauges, served on `--metrics-addr`.
-//! - `python/`: the `elastic_run` worker client (pip-installable); [`worker`]: the same
-//!   contract for Rust workers, and `worker_tch` (feature `tch`) for `VarStore`s.
+//! - [`metrics`]: Prometheus counters and gauges, served on `--metrics-addr`; it renders from
+//!   its own counters and the gauges a [`metrics::Source`] hands it (the agent's state is
+//!   one), and imports none of the modules above.
+//! - `python/`: the `elastic_run` worker client (pip-installable); `worker/`: the
+//!   `elastic-run-worker` crate, the protocol and the same client for Rust workers (feature
+//!   `tch`: `VarStore`s).
 //! - `tests/`: one integration binary (`tests/tests.rs`): `suite/agent.rs` (one node),
 //!   `suite/elastic.rs` (several agents on a real etcd, S3 via moto, PyTorch gloo),
 //!   `suite/store_sink.rs` (the sink on real stores), `suite/agent_decide.rs` (the decision
@@ -48,9 +57,7 @@ pub mod notice;
 pub mod output;
 pub mod pipeline;
 pub mod signals;
+pub mod state;
 pub mod status;
 pub mod supervisor;
-pub mod worker;
 pub mod worker_env;
-#[cfg(feature = "tch")]
-pub mod worker_tch;

@@ -7,13 +7,11 @@
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
-
-use crate::agent_socket::AgentState;
 
 /// Scrapes served at once; more wait in the accept queue.
 const CONNECTIONS_MAX: usize = 16;
@@ -44,8 +42,64 @@ pub struct Metrics {
     pub lease_healthy: AtomicU64,
     /// Whether `lease_healthy` means anything (etcd mode).
     pub has_lease: std::sync::atomic::AtomicBool,
-    /// Failed preemption-notice checks, by `notice::ErrorKind::index`.
-    notice_errors_total: [AtomicU64; crate::notice::ErrorKind::ALL.len()],
+    /// Failed preemption-notice checks, by [`NoticeErrorKind::index`].
+    notice_errors_total: [AtomicU64; NoticeErrorKind::ALL.len()],
+}
+
+/// The `kind` label of `elastic_preemption_notice_errors_total` (`notice::ErrorKind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoticeErrorKind {
+    /// 400, 401 or 403: the service refuses this agent's requests.
+    Auth,
+    /// No answer: connection refused, timeout, reset.
+    Transport,
+    /// An answer the protocol does not allow: other statuses, bad JSON, oversized.
+    Protocol,
+}
+
+impl NoticeErrorKind {
+    pub const ALL: [NoticeErrorKind; 3] = [
+        NoticeErrorKind::Auth,
+        NoticeErrorKind::Transport,
+        NoticeErrorKind::Protocol,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            NoticeErrorKind::Auth => "auth",
+            NoticeErrorKind::Transport => "transport",
+            NoticeErrorKind::Protocol => "protocol",
+        }
+    }
+
+    /// Position in [`NoticeErrorKind::ALL`].
+    pub fn index(self) -> usize {
+        match self {
+            NoticeErrorKind::Auth => 0,
+            NoticeErrorKind::Transport => 1,
+            NoticeErrorKind::Protocol => 2,
+        }
+    }
+}
+
+/// The gauges that live outside [`Metrics`] (in the agent's state), handed to
+/// [`Metrics::render`] as values.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Gauges {
+    /// Current generation number.
+    pub generation: u64,
+    /// Workers in the current generation.
+    pub world_size: u32,
+    /// The highest step any worker of the current group reported.
+    pub last_step: Option<u64>,
+    /// When any worker of the current group last reported progress.
+    pub last_progress: Option<Instant>,
+}
+
+/// What [`serve`] renders from: the counters, and the gauges of the moment.
+pub trait Source: Send + Sync + 'static {
+    fn metrics(&self) -> &Metrics;
+    fn gauges(&self) -> Gauges;
 }
 
 impl Metrics {
@@ -64,17 +118,17 @@ impl Metrics {
     }
 
     /// Counts one failed preemption-notice check.
-    pub fn notice_error(&self, kind: crate::notice::ErrorKind) {
+    pub fn notice_error(&self, kind: NoticeErrorKind) {
         self.notice_errors_total[kind.index()].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Failed preemption-notice checks of one kind so far.
-    pub fn notice_errors(&self, kind: crate::notice::ErrorKind) -> u64 {
+    pub fn notice_errors(&self, kind: NoticeErrorKind) -> u64 {
         self.notice_errors_total[kind.index()].load(Ordering::Relaxed)
     }
 
-    /// The Prometheus text exposition of every metric.
-    pub fn render(&self, state: &AgentState) -> String {
+    /// The Prometheus text exposition of every metric: these counters, and `gauges`.
+    pub fn render(&self, gauges: &Gauges) -> String {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let mut out = String::with_capacity(2048);
         let mut metric = |name: &str, kind: &str, help: &str, value: String| {
@@ -87,13 +141,13 @@ impl Metrics {
             "elastic_generation",
             "gauge",
             "Current generation number.",
-            state.generation().to_string(),
+            gauges.generation.to_string(),
         );
         metric(
             "elastic_world_size",
             "gauge",
             "Workers in the current generation.",
-            state.world_size().to_string(),
+            gauges.world_size.to_string(),
         );
         metric(
             "elastic_worker_groups_started_total",
@@ -170,7 +224,7 @@ impl Metrics {
             );
         }
         let committed = get(&self.committed_step_plus_one).checked_sub(1);
-        let reported = state.last_step();
+        let reported = gauges.last_step;
         if let Some(c) = committed {
             metric(
                 "elastic_checkpoint_committed_step",
@@ -193,7 +247,7 @@ impl Metrics {
                 r.saturating_sub(committed.unwrap_or(0)).to_string(),
             );
         }
-        if let Some(t) = state.last_progress() {
+        if let Some(t) = gauges.last_progress {
             metric(
                 "elastic_worker_progress_age_seconds",
                 "gauge",
@@ -206,7 +260,7 @@ impl Metrics {
             out,
             "# HELP {name} Preemption-notice checks that got no answer, by kind (auth: 400, 401 or 403 from the metadata service, a misconfiguration).\n# TYPE {name} counter"
         );
-        for kind in crate::notice::ErrorKind::ALL {
+        for kind in NoticeErrorKind::ALL {
             let _ = writeln!(
                 out,
                 "{name}{{kind=\"{}\"}} {}",
@@ -218,16 +272,17 @@ impl Metrics {
     }
 }
 
-/// Serves `GET /metrics` until `shutdown` turns true.
-pub async fn serve(
+/// Serves `GET /metrics`, rendered from `state`, until `shutdown` turns true (or its sender
+/// is gone).
+pub async fn serve<S: Source>(
     listener: TcpListener,
-    state: Arc<AgentState>,
+    state: Arc<S>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let slots = Arc::new(Semaphore::new(CONNECTIONS_MAX));
     loop {
         let accepted = tokio::select! {
-            () = crate::agent_socket::stopped(&mut shutdown) => return,
+            _ = shutdown.wait_for(|s| *s) => return,
             a = listener.accept() => a,
         };
         let Ok((mut stream, _)) = accepted else {
@@ -261,7 +316,7 @@ pub async fn serve(
             let response = if head.starts_with(b"GET /metrics ")
                 || head.starts_with(b"GET /metrics?")
             {
-                let body = state.metrics.render(&state);
+                let body = state.metrics().render(&state.gauges());
                 format!(
                     "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                     body.len()
@@ -282,14 +337,16 @@ mod tests {
 
     #[test]
     fn render_has_help_type_and_values() {
-        let state = AgentState::new("/tmp".into());
-        state.begin_group(3, 4, 0..2);
-        state
-            .metrics
-            .committed(40, 1000, Duration::from_millis(1500));
-        state.metrics.committed(50, 24, Duration::from_millis(500));
-        state.metrics.notice_error(crate::notice::ErrorKind::Auth);
-        let text = state.metrics.render(&state);
+        let metrics = Metrics::default();
+        let gauges = Gauges {
+            generation: 3,
+            world_size: 4,
+            ..Gauges::default()
+        };
+        metrics.committed(40, 1000, Duration::from_millis(1500));
+        metrics.committed(50, 24, Duration::from_millis(500));
+        metrics.notice_error(NoticeErrorKind::Auth);
+        let text = metrics.render(&gauges);
         for line in [
             "elastic_generation 3",
             "elastic_world_size 4",
@@ -311,11 +368,48 @@ mod tests {
             !text.contains("elastic_worker_step"),
             "no step reported yet"
         );
+        assert!(!text.contains("elastic_worker_progress_age_seconds"));
+    }
+
+    #[test]
+    fn reported_steps_give_the_lag_behind_the_newest_commit() {
+        let metrics = Metrics::default();
+        metrics.committed(40, 1, Duration::ZERO);
+        let gauges = Gauges {
+            last_step: Some(47),
+            last_progress: Some(Instant::now()),
+            ..Gauges::default()
+        };
+        let text = metrics.render(&gauges);
+        for line in ["elastic_worker_step 47", "elastic_checkpoint_lag_steps 7"] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("elastic_worker_progress_age_seconds 0.")),
+            "{text}"
+        );
+    }
+
+    /// A source of fixed gauges.
+    #[derive(Default)]
+    struct Fixed(Metrics);
+
+    impl Source for Fixed {
+        fn metrics(&self) -> &Metrics {
+            &self.0
+        }
+        fn gauges(&self) -> Gauges {
+            Gauges::default()
+        }
     }
 
     #[tokio::test]
     async fn serves_metrics_and_404s_other_paths() {
-        let state = Arc::new(AgentState::new("/tmp".into()));
+        let state = Arc::new(Fixed::default());
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let (_stop, rx) = watch::channel(false);

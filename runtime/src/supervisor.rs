@@ -24,8 +24,8 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
-use crate::agent_socket::AgentState;
 use crate::output::{self, Stream, Tail};
+use crate::state::AgentState;
 use crate::worker_env::{self, GenerationView, WorkerSpec};
 
 /// Longest error file read from a worker.

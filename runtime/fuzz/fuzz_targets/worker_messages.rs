@@ -5,7 +5,8 @@
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use runtime::agent_socket::{AgentState, Reply};
+use runtime::state::AgentState;
+use worker::protocol::Reply;
 
 fn state() -> &'static AgentState {
     static STATE: OnceLock<(tempfile_dir::Dir, AgentState)> = OnceLock::new();

@@ -13,9 +13,9 @@ use super::decide::{self, Action, AfterGroup, DrainOf, Ended, FailureSeen, Reaso
 use super::group::GroupEnd;
 use super::membership::{Membership, failure_counts, fenced_metrics, leave};
 use super::{Agent, FLUSH_TIMEOUT_MS};
-use crate::agent_socket::AgentState;
 use crate::events::Event;
 use crate::notice;
+use crate::state::AgentState;
 use crate::supervisor::{Outcome, WorkerFailure};
 use crate::worker_env::GenerationView;
 

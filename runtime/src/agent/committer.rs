@@ -13,9 +13,9 @@ use tracing::Instrument;
 
 use super::Node;
 use super::dirs::remove_inside_staging;
-use crate::agent_socket::{AgentState, Received, StagedPart};
 use crate::events::{Event, Events};
 use crate::pipeline::{StepToCommit, StepTracker, StoreSink};
+use crate::state::{AgentState, Received, StagedPart};
 use crate::worker_env::GenerationView;
 
 /// Complete steps queued for the committer besides the one it is committing. With one more
@@ -230,11 +230,7 @@ pub(super) fn tracker_complete(
 /// Says so, with the sizes, when the staging file system cannot hold
 /// [`STAGED_CHECKPOINTS_MAX`] checkpoints the size of this first one (Docker's default
 /// `/dev/shm` is 64 MiB): checkpoints are then skipped whenever it fills.
-pub(super) fn check_staging_room(
-    node: &Node,
-    step: u64,
-    parts: &[crate::agent_socket::StagedPart],
-) {
+pub(super) fn check_staging_room(node: &Node, step: u64, parts: &[crate::state::StagedPart]) {
     let bytes: u64 = parts
         .iter()
         .flat_map(|p| std::fs::read_dir(&p.dir).into_iter().flatten().flatten())

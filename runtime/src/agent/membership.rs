@@ -14,9 +14,9 @@ use tokio::sync::{mpsc, watch};
 use super::Node;
 use super::committer::Committer;
 use super::config::explain_etcd_error;
-use crate::agent_socket::AgentState;
 use crate::events::{DrainReason, Event, Events};
 use crate::notice;
+use crate::state::AgentState;
 use crate::worker_env::GenerationView;
 
 /// Added to lease TTL + settle while a node whose workers failed waits for a membership change.

@@ -83,12 +83,12 @@ use dirs::{RunDir, Staging, remove_staged};
 use drain::Drain;
 use membership::{Membership, Next, leave, wait_generation};
 
-use crate::agent_socket::{AgentState, Received};
 use crate::cli::Cli;
 use crate::events::{Event, Events};
 use crate::notice;
 use crate::pipeline::StepTracker;
 use crate::pipeline::StoreSink;
+use crate::state::{AgentState, Received};
 use crate::supervisor::SupervisorConfig;
 use crate::worker_env::{GenerationView, WorkerSpec};
 

@@ -14,12 +14,13 @@ use super::config::{Mode, free_port, rendezvous_config, scaling_config, usage, w
 use super::dirs::{RunDir, Staging};
 use super::membership::{EtcdMember, Membership, fenced_metrics};
 use super::{Agent, Node, RESTORE_DIR, STOP_GRACE_MS, Services};
-use crate::agent_socket::{self, AgentState, Received};
+use crate::agent_socket;
 use crate::cli::Cli;
 use crate::events::Events;
 use crate::notice;
 use crate::pipeline::StepTracker;
 use crate::pipeline::{SinkOptions, StoreSink};
+use crate::state::{AgentState, Received};
 use crate::supervisor::SupervisorConfig;
 use crate::worker_env::{GenerationView, WorkerSpec};
 

@@ -117,9 +117,9 @@ impl Azure {
 mod tests {
     use super::super::tests::{cfg, watch};
     use super::*;
-    use crate::agent_socket::AgentState;
     use crate::cli::NoticeKind;
     use crate::notice::{ErrorKind, approve};
+    use crate::state::AgentState;
     use services::metadata::Azure as AzureServer;
 
     #[test]

@@ -52,9 +52,9 @@ use reqwest::Url;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::agent_socket::AgentState;
 use crate::cli::{NoticeKind, PreemptionNotice, RebalanceAction};
 use crate::metrics::Metrics;
+use crate::state::AgentState;
 use http::{Bad, Http, not_a_url, quote, request_timeout, status_bad};
 
 /// Largest metadata answer read; a longer one is a protocol error.
@@ -89,37 +89,9 @@ pub struct Approval {
     pub event_id: String,
 }
 
-/// The `kind` label of `elastic_preemption_notice_errors_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ErrorKind {
-    /// 400, 401 or 403: the service refuses this agent's requests.
-    Auth,
-    /// No answer: connection refused, timeout, reset.
-    Transport,
-    /// An answer the protocol does not allow: other statuses, bad JSON, oversized.
-    Protocol,
-}
-
-impl ErrorKind {
-    pub const ALL: [ErrorKind; 3] = [ErrorKind::Auth, ErrorKind::Transport, ErrorKind::Protocol];
-
-    pub fn label(self) -> &'static str {
-        match self {
-            ErrorKind::Auth => "auth",
-            ErrorKind::Transport => "transport",
-            ErrorKind::Protocol => "protocol",
-        }
-    }
-
-    /// Position in [`ErrorKind::ALL`].
-    pub fn index(self) -> usize {
-        match self {
-            ErrorKind::Auth => 0,
-            ErrorKind::Transport => 1,
-            ErrorKind::Protocol => 2,
-        }
-    }
-}
+/// The `kind` label of `elastic_preemption_notice_errors_total`: what [`NoticeError::kind`]
+/// gives (defined with the metrics, which count by it).
+pub use crate::metrics::NoticeErrorKind as ErrorKind;
 
 /// Why a check of the metadata service gave no answer.
 #[derive(Debug, thiserror::Error)]

@@ -26,7 +26,9 @@ use checkpoint::{
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::agent_socket::StagedPart;
+use worker::protocol::{FORMAT_VERSION, STAGED_META, STAGED_TENSORS};
+
+use crate::state::StagedPart;
 
 use super::sink::*;
 
@@ -310,12 +312,12 @@ pub(super) fn read_staged(
     let v = read_json_bounded(&path).map_err(|r| staged(path.clone(), r))?;
     let field = |k: &str| v.get(k).and_then(|x| x.as_u64());
     match field("format_version") {
-        Some(STAGED_FORMAT_VERSION) => {}
+        Some(v) if v == u64::from(FORMAT_VERSION) => {}
         other => {
             return Err(staged(
                 path,
                 format!(
-                    "unknown snapshot format version {other:?} (this agent reads {STAGED_FORMAT_VERSION})"
+                    "unknown snapshot format version {other:?} (this agent reads {FORMAT_VERSION})"
                 ),
             ));
         }

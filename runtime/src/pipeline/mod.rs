@@ -17,7 +17,7 @@ mod tests;
 mod tracker;
 
 pub use sink::{
-    Committed, KEEP_STEPS_DEFAULT, RESTORED_MARKER, STAGED_FORMAT_VERSION, STAGED_META,
-    STAGED_TENSORS, SinkError, SinkOptions, StepToCommit, StoreSink, writer_id,
+    Committed, KEEP_STEPS_DEFAULT, RESTORED_MARKER, SinkError, SinkOptions, StepToCommit,
+    StoreSink, writer_id,
 };
 pub use tracker::{PENDING_STEPS_MAX, StepTracker};

@@ -7,18 +7,13 @@ use std::path::{Path, PathBuf};
 use checkpoint::{CancellationToken, ReadOptions, SaveOptions, Store};
 use serde::{Deserialize, Serialize};
 
-use crate::agent_socket::StagedPart;
+use checkpoint::restore::{RESTORE_FILE, RESTORE_METADATA_FILE};
+use worker::protocol::{METADATA_BYTES_MAX, RESTORED_META, RESTORED_TENSORS};
 
-/// The staged tensor file of one rank (written by the worker client).
-pub const STAGED_TENSORS: &str = "tensors.safetensors";
-/// The staged metadata of one rank.
-pub const STAGED_META: &str = "meta.json";
-/// The snapshot format the worker clients write (`meta.json` `format_version`).
-pub const STAGED_FORMAT_VERSION: u64 = 1;
+use crate::state::StagedPart;
+
 /// The marker listing the finished ranks of a restored step.
 pub const RESTORED_MARKER: &str = "restored.json";
-/// Largest `meta.json`, `metadata.json` or marker read.
-pub(super) const META_BYTES_MAX: u64 = 16 * 1024 * 1024;
 /// Version of `restored.json`; a marker of any other version is ignored (restored again).
 pub(super) const MARKER_VERSION: u32 = 2;
 /// Leftover (never committed) steps younger than this are kept by retention: they may be a
@@ -26,6 +21,26 @@ pub(super) const MARKER_VERSION: u32 = 2;
 pub(super) const LEFTOVER_AGE_MS_MIN: u64 = 3_600_000;
 /// Temporary names inside the restore root start with this.
 pub(super) const TMP_PREFIX: &str = ".tmp-";
+// What the restore lays out is what the workers read (`worker::protocol`'s restored layout).
+const _: () = assert!(
+    same_str(RESTORE_FILE, RESTORED_TENSORS) && same_str(RESTORE_METADATA_FILE, RESTORED_META)
+);
+
+const fn same_str(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
 /// Committed steps retention keeps unless told otherwise ([`SinkOptions::keep_steps`]).
 pub const KEEP_STEPS_DEFAULT: usize = 3;
 
@@ -316,8 +331,10 @@ pub(super) async fn blocking<T: Send + 'static>(
 
 pub(super) fn read_json_bounded(path: &Path) -> Result<serde_json::Value, String> {
     let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
-    if meta.len() > META_BYTES_MAX {
-        return Err(format!("larger than {META_BYTES_MAX} bytes"));
+    // A staged `meta.json` is bounded by the protocol; `metadata.json` and the marker (the
+    // agent's own files) by the same number.
+    if meta.len() > METADATA_BYTES_MAX {
+        return Err(format!("larger than {METADATA_BYTES_MAX} bytes"));
     }
     let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
     serde_json::from_slice(&bytes).map_err(|e| format!("not JSON: {e}"))

@@ -10,7 +10,9 @@ use tokio::time::Instant;
 
 use super::commit::{check_parts, read_staged};
 use super::sink::*;
-use crate::agent_socket::StagedPart;
+use worker::protocol::{STAGED_META, STAGED_TENSORS};
+
+use crate::state::StagedPart;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use std::collections::HashMap;

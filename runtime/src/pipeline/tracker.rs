@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::PathBuf;
 
-use crate::agent_socket::StagedPart;
+use crate::state::StagedPart;
 
 /// Steps waiting for their remaining ranks. Older ones are dropped past this: a step whose
 /// ranks never all report (a rank died mid-save) must not pin memory forever.

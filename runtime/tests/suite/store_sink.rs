@@ -11,8 +11,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use checkpoint::{CancellationToken, Store};
-use runtime::agent_socket::StagedPart;
 use runtime::pipeline::{SinkError, SinkOptions, StepToCommit, StoreSink};
+use runtime::state::StagedPart;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{Value, json};

@@ -1,15 +1,15 @@
-//! Saving and loading `tch` models through [`crate::worker::Worker`] (feature `tch`).
+//! Saving and loading `tch` models through [`crate::Worker`] (feature `tch`).
 //!
 //! The model is a `VarStore`; the optimizer state is a second `VarStore` (tch's libtorch
 //! optimizers do not expose their state, so a checkpointable optimizer keeps its buffers as
 //! variables: see `examples/tch_train.rs`). Tensors are stored as `model/<name>` and
 //! `optim/<name>`, in the same snapshot format as the Python client.
 
+use ::tch::{Device, Kind, Tensor, nn::VarStore};
 use safetensors::Dtype;
 use serde_json::Value;
-use tch::{Device, Kind, Tensor, nn::VarStore};
 
-use crate::worker::{SnapshotTensor, Worker, WorkerError};
+use crate::{SnapshotTensor, Worker, WorkerError};
 
 fn dtype_of(kind: Kind) -> Option<Dtype> {
     Some(match kind {
@@ -124,7 +124,7 @@ pub fn load(
             }
             let src =
                 Tensor::f_from_data_size(&t.data, &shape, kind).map_err(|e| bad(e.to_string()))?;
-            tch::no_grad(|| var.copy_(&src));
+            ::tch::no_grad(|| var.copy_(&src));
         }
         Ok(())
     };

@@ -1,4 +1,4 @@
-//! The Rust worker API: what a Rust training process under `elastic-run` uses, the same
+//! The Rust worker client: what a Rust training process under `elastic-run` uses, the same
 //! contract as the Python client (`runtime/python/elastic_run`).
 //!
 //! - [`Worker::from_env`] reads torchrun's variables and `ELASTIC_*`, and connects to the
@@ -10,8 +10,8 @@
 //!   (`step-N/rank-R/tensors.safetensors` + `meta.json`, the Python client's format: replicated
 //!   tensors split between ranks by bytes, so every byte is written once) and tells the agent;
 //!   [`Worker::load_tensors`] reads the step the agent restored. With the `tch` feature,
-//!   [`crate::worker_tch`] saves and loads `VarStore`s (the model, and the optimizer state kept
-//!   as a second `VarStore`).
+//!   `crate::tch` saves and loads `VarStore`s (the model, and the optimizer state kept as a
+//!   second `VarStore`).
 //!
 //! A Rust worker has no process group of its own (tch has no collectives), so `should_stop` asks
 //! the agent for each rank without an all-reduce: run one worker per node, or make the ranks
@@ -24,10 +24,13 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
-use serde_json::{Value, json};
+use serde_json::Value;
 
-/// The snapshot format version (shared with the Python client).
-pub const FORMAT_VERSION: u32 = 1;
+use crate::protocol::{
+    self, FORMAT_VERSION, MESSAGE_BYTES_MAX, METADATA_BYTES_MAX, RESTORED_META, RESTORED_TENSORS,
+    Request, STAGED_META, STAGED_TENSORS, StagedMeta,
+};
+
 /// Progress reports are rate-limited: the watchdog works in seconds, not steps.
 const PROGRESS_INTERVAL_MS: u64 = 100;
 /// How long one request to the agent may take.
@@ -35,10 +38,6 @@ const SOCKET_TIMEOUT_MS: u64 = 30_000;
 /// A `saved` reply waits while earlier checkpoints are still being committed (the agent bounds
 /// how far training runs ahead of the store); a slow store can hold it this long.
 const SAVED_TIMEOUT_MS: u64 = 1_800_000;
-/// Largest reply line read from the agent.
-const REPLY_BYTES_MAX: usize = 64 * 1024;
-/// Largest `meta.json` / `metadata.json` read.
-const META_BYTES_MAX: u64 = 16 * 1024 * 1024;
 
 /// What went wrong, naming the file or variable.
 #[derive(Debug, thiserror::Error)]
@@ -120,15 +119,16 @@ impl Conn {
             .map_err(|e| WorkerError::Agent(format!("configure the socket: {e}")))
     }
 
-    fn request(&mut self, req: &Value) -> Result<Value, WorkerError> {
-        let mut line = req.to_string();
+    fn request(&mut self, req: &Request) -> Result<Value, WorkerError> {
+        let mut line = serde_json::to_string(req)
+            .map_err(|e| WorkerError::Agent(format!("encode a {} request: {e}", req.kind())))?;
         line.push('\n');
         self.write
             .write_all(line.as_bytes())
             .map_err(|e| WorkerError::Agent(format!("send: {e}")))?;
         let mut buf = Vec::with_capacity(256);
         let n = (&mut self.read)
-            .take(REPLY_BYTES_MAX as u64)
+            .take(MESSAGE_BYTES_MAX as u64)
             .read_until(b'\n', &mut buf)
             .map_err(|e| WorkerError::Agent(format!("receive: {e}")))?;
         if n == 0 || buf.last() != Some(&b'\n') {
@@ -240,7 +240,10 @@ impl Worker {
             .last_progress
             .is_none_or(|t| t.elapsed() >= Duration::from_millis(PROGRESS_INTERVAL_MS));
         if let (true, Some(c)) = (due, self.conn.as_mut()) {
-            c.request(&json!({"type": "progress", "rank": self.rank, "step": step}))?;
+            c.request(&Request::Progress {
+                rank: self.rank,
+                step,
+            })?;
             self.last_progress = Some(Instant::now());
         }
         Ok(())
@@ -252,7 +255,7 @@ impl Worker {
         let Some(c) = self.conn.as_mut() else {
             return Ok(false);
         };
-        let v = c.request(&json!({"type": "query"}))?;
+        let v = c.request(&Request::Query {})?;
         if let Some(at) = v["should_checkpoint_at"].as_u64() {
             self.checkpoint_at = Some(at);
         }
@@ -265,7 +268,10 @@ impl Worker {
     /// so the agent does not take the clean exit for the end of the job.
     pub fn peer_stop(&mut self, step: u64) -> Result<(), WorkerError> {
         if let Some(c) = self.conn.as_mut() {
-            c.request(&json!({"type": "peer_stop", "rank": self.rank, "step": step}))?;
+            c.request(&Request::PeerStop {
+                rank: self.rank,
+                step,
+            })?;
         }
         Ok(())
     }
@@ -302,8 +308,8 @@ impl Worker {
             .iter()
             .filter(|t| owner.get(&t.name) == Some(&self.rank))
             .collect();
-        let step_dir = staging.join(format!("step-{step}"));
-        let fin = step_dir.join(format!("rank-{}", self.rank));
+        let step_dir = staging.join(protocol::step_dir_name(step));
+        let fin = step_dir.join(protocol::rank_dir_name(self.rank));
         let tmp = step_dir.join(format!(".rank-{}.tmp-{}", self.rank, std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(io("create", &tmp))?;
@@ -318,7 +324,7 @@ impl Worker {
                     })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let tpath = tmp.join("tensors.safetensors");
+        let tpath = tmp.join(STAGED_TENSORS);
         let info: HashMap<String, String> = [
             ("step".to_string(), step.to_string()),
             ("rank".to_string(), self.rank.to_string()),
@@ -330,14 +336,22 @@ impl Worker {
                 reason: e.to_string(),
             }
         })?;
-        let mut keys: Vec<&str> = mine.iter().map(|t| t.name.as_str()).collect();
+        let mut keys: Vec<String> = mine.iter().map(|t| t.name.clone()).collect();
         keys.sort_unstable();
-        let meta = json!({
-            "format_version": FORMAT_VERSION, "step": step, "rank": self.rank,
-            "world_size": self.world_size, "keys": keys, "state": state,
-        });
-        let mpath = tmp.join("meta.json");
-        std::fs::write(&mpath, meta.to_string()).map_err(io("write", &mpath))?;
+        let meta = StagedMeta {
+            format_version: FORMAT_VERSION,
+            keys,
+            rank: self.rank,
+            state,
+            step,
+            world_size: self.world_size,
+        };
+        let mpath = tmp.join(STAGED_META);
+        let text = serde_json::to_vec(&meta).map_err(|e| WorkerError::Format {
+            path: mpath.clone(),
+            reason: e.to_string(),
+        })?;
+        std::fs::write(&mpath, text).map_err(io("write", &mpath))?;
         for p in [&tpath, &mpath] {
             std::fs::File::open(p)
                 .and_then(|f| f.sync_all())
@@ -350,8 +364,11 @@ impl Worker {
         if let Some(c) = self.conn.as_mut() {
             let dir = fin.to_string_lossy().into_owned();
             c.set_read_timeout_ms(SAVED_TIMEOUT_MS)?;
-            let r =
-                c.request(&json!({"type": "saved", "rank": self.rank, "step": step, "dir": dir}));
+            let r = c.request(&Request::Saved {
+                rank: self.rank,
+                step,
+                dir,
+            });
             c.set_read_timeout_ms(SOCKET_TIMEOUT_MS)?;
             r?;
         }
@@ -364,15 +381,15 @@ impl Worker {
         let Some(dir) = &self.resume_dir else {
             return Ok(None);
         };
-        let mine = dir.join(format!("rank-{}", self.rank));
-        let meta_path = mine.join("metadata.json");
+        let mine = dir.join(protocol::rank_dir_name(self.rank));
+        let meta_path = mine.join(RESTORED_META);
         let meta = read_json(&meta_path)?;
         let step = meta["step"].as_u64().ok_or_else(|| WorkerError::Format {
             path: meta_path.clone(),
             reason: "no step".into(),
         })?;
         let state = meta["metadata"]["state"].clone();
-        let tpath = mine.join("state.safetensors");
+        let tpath = mine.join(RESTORED_TENSORS);
         let bytes = std::fs::read(&tpath).map_err(io("read", &tpath))?;
         let st = SafeTensors::deserialize(&bytes).map_err(|e| WorkerError::Format {
             path: tpath.clone(),
@@ -398,10 +415,10 @@ impl Worker {
 
 fn read_json(path: &Path) -> Result<Value, WorkerError> {
     let len = std::fs::metadata(path).map_err(io("stat", path))?.len();
-    if len > META_BYTES_MAX {
+    if len > METADATA_BYTES_MAX {
         return Err(WorkerError::Format {
             path: path.to_path_buf(),
-            reason: format!("larger than {META_BYTES_MAX} bytes"),
+            reason: format!("larger than {METADATA_BYTES_MAX} bytes"),
         });
     }
     let bytes = std::fs::read(path).map_err(io("read", path))?;
@@ -439,6 +456,7 @@ pub fn assign_keys(sizes: &BTreeMap<String, u64>, world: u32) -> BTreeMap<String
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn keys_are_split_by_bytes_like_the_python_client() {
@@ -481,5 +499,115 @@ mod tests {
             w.save_tensors(1, &[], json!({})),
             Err(WorkerError::NoStaging)
         ));
+    }
+
+    /// A stand-in agent on one end of a socket pair: every line must be a protocol request
+    /// that reads back to the very same JSON (no field the protocol does not know); each is
+    /// answered with `reply`. Returns the requests once the worker hangs up.
+    fn fake_agent(
+        stream: UnixStream,
+        reply: impl Fn(&Request) -> protocol::Reply + Send + 'static,
+    ) -> std::thread::JoinHandle<Vec<Request>> {
+        std::thread::spawn(move || {
+            let mut out = stream.try_clone().unwrap();
+            let mut seen = Vec::new();
+            for line in BufReader::new(stream).lines() {
+                let line = line.unwrap();
+                assert!(line.len() < MESSAGE_BYTES_MAX, "{line}");
+                let sent: Value = serde_json::from_str(&line).unwrap();
+                let req: Request =
+                    serde_json::from_value(sent.clone()).unwrap_or_else(|e| panic!("{line}: {e}"));
+                assert_eq!(serde_json::to_value(&req).unwrap(), sent, "{line}");
+                let mut r = serde_json::to_string(&reply(&req)).unwrap();
+                r.push('\n');
+                out.write_all(r.as_bytes()).unwrap();
+                seen.push(req);
+            }
+            seen
+        })
+    }
+
+    #[test]
+    fn the_worker_sends_protocol_requests_and_reads_the_replies() {
+        use protocol::Reply;
+        let tmp = tempfile::tempdir().unwrap();
+        let (a, b) = UnixStream::pair().unwrap();
+        let agent = fake_agent(b, |req| match req {
+            Request::Query {} => Reply::State {
+                should_stop: true,
+                should_checkpoint_at: Some(6),
+                generation: 2,
+            },
+            Request::PeerStop { .. } => Reply::Error {
+                message: "not now".into(),
+            },
+            _ => Reply::Ok,
+        });
+        let read = BufReader::new(a.try_clone().unwrap());
+        let mut w = Worker {
+            rank: 1,
+            local_rank: 1,
+            world_size: 2,
+            generation: 2,
+            lr_scale: 1.0,
+            grad_accum_steps: 1,
+            checkpoint_interval: 0,
+            resume_step: None,
+            resume_dir: None,
+            staging: Some(tmp.path().to_path_buf()),
+            conn: Some(Conn { write: a, read }),
+            last_progress: None,
+            checkpoint_at: None,
+        };
+        w.report_progress(3).unwrap();
+        assert!(w.should_stop(4).unwrap());
+        assert!(!w.should_checkpoint(5));
+        assert!(w.should_checkpoint(6), "the step the agent asked for");
+        match w.peer_stop(7) {
+            Err(WorkerError::Agent(m)) => assert_eq!(m, "not now"),
+            other => panic!("{other:?}"),
+        }
+        let tensor = |name: &str, n: usize| SnapshotTensor {
+            name: name.into(),
+            dtype: Dtype::F32,
+            shape: vec![n],
+            data: vec![0; 4 * n],
+        };
+        let dir = w
+            .save_tensors(8, &[tensor("a", 2), tensor("b", 1)], json!({"pos": 8}))
+            .unwrap();
+        drop(w);
+        let seen = agent.join().unwrap();
+        assert_eq!(dir, tmp.path().join("step-8/rank-1"));
+        assert_eq!(
+            seen,
+            [
+                Request::Progress { rank: 1, step: 3 },
+                Request::Query {},
+                Request::PeerStop { rank: 1, step: 7 },
+                Request::Saved {
+                    rank: 1,
+                    step: 8,
+                    dir: dir.to_string_lossy().into_owned(),
+                },
+            ]
+        );
+        let meta: StagedMeta =
+            serde_json::from_slice(&std::fs::read(dir.join(STAGED_META)).unwrap()).unwrap();
+        // Split by bytes: "a" (8 bytes) is rank 0's, "b" rank 1's.
+        assert_eq!(
+            meta,
+            StagedMeta {
+                format_version: FORMAT_VERSION,
+                keys: vec!["b".into()],
+                rank: 1,
+                state: json!({"pos": 8}),
+                step: 8,
+                world_size: 2,
+            }
+        );
+        let bytes = std::fs::read(dir.join(STAGED_TENSORS)).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.names(), ["b"]);
     }
 }
