@@ -1,1 +1,1 @@
-include!("runtime/worker/build.rs");
+include!("runtime/worker-tch/build.rs");

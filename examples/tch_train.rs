@@ -12,7 +12,6 @@ use anyhow::{Context, Result};
 use serde_json::json;
 use tch::{Device, Kind, Tensor, nn, nn::Module};
 use worker::Worker;
-use worker::tch as worker_tch;
 
 const FEATURES: i64 = 8;
 const BATCH: i64 = 32;

@@ -1025,3 +1025,21 @@ fn a_full_staging_file_system_skips_checkpoints_and_never_ends_the_job() {
         "nothing fit, so nothing may be committed"
     );
 }
+
+/// The agent never links libtorch, whatever features the build turns on (tch support is the
+/// `elastic-run-worker-tch` crate's, which only training programs use): a node without torch's
+/// libraries must still start `elastic-run`.
+#[test]
+fn the_agent_binary_does_not_link_libtorch() {
+    let out = std::process::Command::new("ldd")
+        .arg(BIN)
+        .output()
+        .expect("run ldd");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "ldd {BIN}: {text}");
+    assert!(!text.contains("libtorch"), "{BIN} links libtorch:\n{text}");
+    assert!(
+        !text.contains("not found"),
+        "{BIN} misses a library:\n{text}"
+    );
+}

@@ -9,9 +9,9 @@
 //! - [`Worker::save_tensors`] writes this rank's share of a snapshot into staging
 //!   (`step-N/rank-R/tensors.safetensors` + `meta.json`, the Python client's format: replicated
 //!   tensors split between ranks by bytes, so every byte is written once) and tells the agent;
-//!   [`Worker::load_tensors`] reads the step the agent restored. With the `tch` feature,
-//!   `crate::tch` saves and loads `VarStore`s (the model, and the optimizer state kept as a
-//!   second `VarStore`).
+//!   [`Worker::load_tensors`] reads the step the agent restored. The `elastic-run-worker-tch`
+//!   crate saves and loads tch `VarStore`s (the model, and the optimizer state kept as a
+//!   second `VarStore`) through it.
 //!
 //! A Rust worker has no process group of its own (tch has no collectives), so `should_stop` asks
 //! the agent for each rank without an all-reduce: run one worker per node, or make the ranks

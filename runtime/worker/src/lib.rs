@@ -9,8 +9,10 @@
 //! - [`Worker`]: the client. It reads the environment `elastic-run` sets, reports progress,
 //!   asks whether to stop or checkpoint, saves this rank's share of a snapshot into staging
 //!   ([`Worker::save_tensors`]) and loads the restored step ([`Worker::load_tensors`]).
-//! - `tch` (feature `tch`): saves and loads `tch` `VarStore`s (a model, and an optimizer's
-//!   state kept as a second `VarStore`) through a [`Worker`].
+//! - For `tch` models, the `elastic-run-worker-tch` crate (`runtime/worker-tch`, lib
+//!   `worker_tch`) saves and loads `VarStore`s (a model, and an optimizer's state kept as a
+//!   second `VarStore`) through a [`Worker`]. It is a crate of its own so that only programs
+//!   that use tch link libtorch.
 //!
 //! The Python client (`runtime/python/elastic_run`) speaks the same protocol and writes the
 //! same snapshots; `tests/python_client.rs` checks that it still parses here.
@@ -36,7 +38,5 @@
 
 mod client;
 pub mod protocol;
-#[cfg(feature = "tch")]
-pub mod tch;
 
 pub use client::{Loaded, SnapshotTensor, Worker, WorkerError, assign_keys};

@@ -1,4 +1,6 @@
-//! Saving and loading `tch` models through [`crate::Worker`] (feature `tch`).
+//! Saving and loading `tch` models through [`worker::Worker`]. Links the libtorch shipped in
+//! PyPI `torch==2.13.0` (`LIBTORCH_USE_PYTORCH=1`); its build script puts an rpath to it into
+//! the binaries of this crate.
 //!
 //! The model is a `VarStore`; the optimizer state is a second `VarStore` (tch's libtorch
 //! optimizers do not expose their state, so a checkpointable optimizer keeps its buffers as
@@ -9,7 +11,7 @@ use ::tch::{Device, Kind, Tensor, nn::VarStore};
 use safetensors::Dtype;
 use serde_json::Value;
 
-use crate::{SnapshotTensor, Worker, WorkerError};
+use worker::{SnapshotTensor, Worker, WorkerError};
 
 fn dtype_of(kind: Kind) -> Option<Dtype> {
     Some(match kind {

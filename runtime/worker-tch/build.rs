@@ -1,6 +1,6 @@
-// With the `tch` feature, binaries link the libtorch that ships inside PyPI `torch`. This adds
-// an rpath to that library directory so they start without a hand-set `LD_LIBRARY_PATH`.
-// The root package's build script includes this file.
+// Binaries that use tch link the libtorch that ships inside PyPI `torch`. This adds an rpath
+// to that library directory so they start without a hand-set `LD_LIBRARY_PATH`. The root
+// package's build script includes this file (for its `tch` feature).
 
 use std::process::Command;
 
@@ -8,7 +8,11 @@ fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-env-changed=LIBTORCH_USE_PYTORCH");
     println!("cargo:rerun-if-env-changed=PATH");
-    if std::env::var_os("CARGO_FEATURE_TCH").is_none() {
+    // In this crate tch is always on; the root package includes this script under its
+    // optional `tch` feature.
+    if std::env::var("CARGO_PKG_NAME").as_deref() != Ok("elastic-run-worker-tch")
+        && std::env::var_os("CARGO_FEATURE_TCH").is_none()
+    {
         return;
     }
     let lib_dir = match std::env::var("LIBTORCH") {
