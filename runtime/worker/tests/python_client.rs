@@ -5,7 +5,9 @@
 //! back to the very same JSON, so a field the protocol does not know (which the agent would
 //! ignore) fails too. The replies are this crate's [`Reply`]s, which the client must accept.
 //! The snapshots it stages must be the protocol's layout ([`StagedMeta`] in `meta.json`, the
-//! file and directory names), and its copies of the protocol's constants must agree.
+//! file and directory names), and its copies of the protocol's constants must agree. The
+//! client's own sample of every message kind (`python -m elastic_run --print-sample-messages`,
+//! built by the same functions that build what it sends) must parse strictly too.
 //!
 //! The Python is the worker environment's (`$ELASTIC_VENV`, else the repository's `.venv`),
 //! else `python3` on `PATH`. Without any, the test is skipped, except under `CI`, where it
@@ -61,6 +63,8 @@ const DRIVE_PY: &str = r#"
 import errno, json, os, struct, sys, warnings
 sys.path.insert(0, os.environ["CLIENT_DIR"])
 import elastic_run as er
+# Internals are patched where they live (the package re-exports copies of them).
+import elastic_run._distributed, elastic_run._save, elastic_run.protocol
 
 try:
     import torch
@@ -70,12 +74,12 @@ except ImportError:
     def _empty_safetensors(path, tensors, metadata):
         h = json.dumps({"__metadata__": metadata}, separators=(",", ":")).encode()
         h += b" " * (-len(h) % 8)
-        fd = er._open_private(path)
+        fd = er._save._open_private(path)
         try:
-            er._write_all(fd, struct.pack("<Q", len(h)) + h)
+            er._save._write_all(fd, struct.pack("<Q", len(h)) + h)
         finally:
             os.close(fd)
-    er._write_safetensors = _empty_safetensors
+    er._save._write_safetensors = _empty_safetensors
 
 def extra(step):
     e = {"data_pos": step, "note": "step %d" % step}
@@ -87,20 +91,20 @@ out = {"torch": torch is not None}
 er.report_progress(1, force=True)
 out["stop_2"] = er.should_stop(2)
 out["checkpoint_3"] = er.should_checkpoint(3)
-real = er._all_reduce_max
-er._all_reduce_max = lambda v: [1, v[1]]  # another node's agent asked for the stop
+real = er._distributed._all_reduce_max
+er._distributed._all_reduce_max = lambda v: [1, v[1]]  # another node's agent asked for the stop
 out["stop_4"] = er.should_stop(4)
-er._all_reduce_max = real
+er._distributed._all_reduce_max = real
 out["saved_5"] = er.save(5, extra=extra(5))
-real = er._write_snapshot_inner
+real = er._save._write_snapshot_inner
 def full(snap, conn):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-er._write_snapshot_inner = full
+er._save._write_snapshot_inner = full
 with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
     out["saved_6"] = er.save(6, extra=extra(6))
 out["warnings_6"] = [str(w.message) for w in seen]
-er._write_snapshot_inner = real
+er._save._write_snapshot_inner = real
 out["saved_7"] = er.async_save(7, extra=extra(7)).wait()
 try:
     er.report_progress(9, force=True)
@@ -108,14 +112,14 @@ try:
 except er.AgentError as e:
     out["error_9"] = str(e)
 out["constants"] = {
-    "FORMAT_VERSION": er.FORMAT_VERSION,
-    "MESSAGE_BYTES_MAX": er.MESSAGE_BYTES_MAX,
-    "STEP_MAX": er.STEP_MAX,
-    "METADATA_BYTES_MAX": er.METADATA_BYTES_MAX,
-    "STAGED_TENSORS": er._TENSORS,
-    "STAGED_META": er._META,
-    "RESTORED_TENSORS": er._RESTORED,
-    "RESTORED_META": er._RESTORED_META,
+    "FORMAT_VERSION": er.protocol.FORMAT_VERSION,
+    "MESSAGE_BYTES_MAX": er.protocol.MESSAGE_BYTES_MAX,
+    "STEP_MAX": er.protocol.STEP_MAX,
+    "METADATA_BYTES_MAX": er.protocol.METADATA_BYTES_MAX,
+    "STAGED_TENSORS": er.protocol._TENSORS,
+    "STAGED_META": er.protocol._META,
+    "RESTORED_TENSORS": er.protocol._RESTORED,
+    "RESTORED_META": er.protocol._RESTORED_META,
 }
 print(json.dumps(out))
 "#;
@@ -400,4 +404,33 @@ fn the_strict_parse_refuses_what_the_agent_would_let_through() {
         "x".repeat(protocol::MESSAGE_BYTES_MAX)
     );
     assert!(parse_strictly(&long).is_err(), "an oversized line");
+}
+
+/// `python -m elastic_run --print-sample-messages` prints one message of every kind, built by
+/// the client's own message builders: each parses strictly, and together they cover
+/// [`Request::KINDS`], each once.
+#[test]
+fn the_client_sample_of_every_message_kind_parses_strictly() {
+    let Some(python) = python() else { return };
+    let out = Command::new(&python)
+        .args(["-m", "elastic_run", "--print-sample-messages"])
+        .env("PYTHONPATH", repo().join("runtime/python"))
+        .stdin(Stdio::null())
+        .output()
+        .expect("run python -m elastic_run");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut kinds: Vec<&str> = Vec::new();
+    for line in text.lines() {
+        let req = parse_strictly(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+        kinds.push(req.kind());
+    }
+    let mut want = Request::KINDS.to_vec();
+    want.sort_unstable();
+    kinds.sort_unstable();
+    assert_eq!(kinds, want, "{text}");
 }
