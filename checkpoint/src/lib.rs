@@ -7,7 +7,7 @@
 //! - [`header`]: safetensors header reading and writing, with limits.
 //! - [`codec`]: per-chunk compression (`raw`, `zstd`, `zstd-planes`).
 //! - [`store`]: [`Store`], a URL-addressed location with retries, deadlines, cancellation.
-//! - [`save`]: streaming save of a writer's part, [`Store::commit`], and [`split_by_bytes`].
+//! - [`save`]: streaming save of a writer's part, and [`Store::commit`].
 //!   Its private submodules: `save/input.rs` (directory walk, headers, chunk plan),
 //!   `save/upload.rs` ([`Store::save_part`]: encode and upload chunks, then the part record;
 //!   [`Store::abandon_part`]) and `save/commit.rs` ([`Store::commit`]: merge the part records
@@ -81,8 +81,6 @@
 //!   records, takes the newest attempt of each expected writer, checks every object's length,
 //!   validates the merged manifest and writes it create-only. Fails with
 //!   [`Error::Incomplete`] naming missing writers.
-//! - [`split_by_bytes`]`(&[(name, bytes)], world) -> Vec<Vec<name>>`: which rank writes which
-//!   replicated (DDP) tensor, so each byte is written once in total.
 //! - [`Store::latest_committed`], [`Store::committed_steps`], [`Store::read_manifest`],
 //!   [`Store::list_steps`], [`Store::verify`], [`Store::pull`], [`Store::restore`],
 //!   [`Store::gc`], [`Store::copy_step`].
@@ -120,8 +118,6 @@ pub use error::{Error, Result};
 pub use format::{Manifest, PartRecord, ShardSpec};
 pub use restore::{ReadOptions, RestoreReport};
 pub use retention::RetentionPolicy;
-pub use save::{
-    CommitOutcome, CommitRequest, Compression, PartInput, PartSource, SaveOptions, split_by_bytes,
-};
+pub use save::{CommitOutcome, CommitRequest, Compression, PartInput, PartSource, SaveOptions};
 pub use store::{Store, StoreOptions};
 pub use tokio_util::sync::CancellationToken;

@@ -6,7 +6,9 @@
 //!   part record) and [`Store::abandon_part`].
 //! - `commit` (private): [`Store::commit`] (merge the durable part records into the manifest
 //!   and write it create-only) and [`Store::read_manifest`].
-//! - Here: the options and inputs of a save, and [`split_by_bytes`].
+//! - Here: the options and inputs of a save. Which rank writes which replicated tensor is the
+//!   worker's rule (`elastic-run-worker`'s `assign_keys`, and the Python client's): a part
+//!   holds whatever its writer staged.
 //!
 //! # Memory and concurrency bound
 //!
@@ -121,54 +123,4 @@ pub(crate) fn now_unix_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
-}
-
-/// Splits replicated (DDP) tensors across `world` ranks so that each byte is written once in
-/// total and ranks write about the same number of bytes (largest first, onto the least loaded
-/// rank). Deterministic: every rank computes the same split from the same list.
-pub fn split_by_bytes(tensors: &[(String, u64)], world: u32) -> Vec<Vec<String>> {
-    let world = world.max(1) as usize;
-    let mut order: Vec<&(String, u64)> = tensors.iter().collect();
-    order.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    let mut load = vec![0u64; world];
-    let mut out = vec![Vec::new(); world];
-    for (name, bytes) in order {
-        let (rank, _) = load
-            .iter()
-            .enumerate()
-            .min_by_key(|(i, l)| (**l, *i))
-            .expect("world >= 1");
-        load[rank] += bytes;
-        out[rank].push(name.clone());
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::collections::HashMap;
-
-    #[test]
-    fn ddp_split_writes_each_tensor_once_and_balances_bytes() {
-        let tensors: Vec<(String, u64)> = (0..50)
-            .map(|i| (format!("t{i}"), (i * 7919 % 1000 + 1) as u64))
-            .collect();
-        for world in [1u32, 2, 3, 8, 64] {
-            let split = split_by_bytes(&tensors, world);
-            assert_eq!(split.len(), world as usize);
-            let mut all: Vec<&String> = split.iter().flatten().collect();
-            all.sort();
-            all.dedup();
-            assert_eq!(all.len(), tensors.len());
-            let size: HashMap<&String, u64> = tensors.iter().map(|(n, b)| (n, *b)).collect();
-            let loads: Vec<u64> = split
-                .iter()
-                .map(|r| r.iter().map(|n| size[n]).sum())
-                .collect();
-            let max_t = tensors.iter().map(|t| t.1).max().unwrap();
-            assert!(loads.iter().max().unwrap() - loads.iter().min().unwrap() <= max_t);
-            assert_eq!(split, split_by_bytes(&tensors, world), "deterministic");
-        }
-    }
 }

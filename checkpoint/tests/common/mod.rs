@@ -10,7 +10,7 @@ use checkpoint::format::ShardSpec;
 use checkpoint::restore::{RESTORE_FILE, rows_for_rank};
 use checkpoint::{
     CancellationToken, CommitOutcome, CommitRequest, PartInput, PartSource, ReadOptions,
-    RetentionPolicy, SaveOptions, Store, split_by_bytes,
+    RetentionPolicy, SaveOptions, Store,
 };
 use rand::{RngExt, SeedableRng};
 use safetensors::tensor::TensorView;
@@ -199,14 +199,10 @@ pub fn global_state() -> (Vec<T>, Vec<T>) {
 }
 
 /// Saves the global state from `world` writers as FSDP would: each writer holds its rows of
-/// the sharded tensors, and the replicated tensors are split between writers by bytes.
+/// the sharded tensors, and the replicated tensors are split between writers (round robin:
+/// any split that writes each once will do; the workers split by bytes).
 pub async fn save_sharded(store: &Store, step: u64, world: u32) {
     let (sharded, replicated) = global_state();
-    let sizes: Vec<(String, u64)> = replicated
-        .iter()
-        .map(|t| (t.name.clone(), t.data.len() as u64))
-        .collect();
-    let split = split_by_bytes(&sizes, world);
     for rank in 0..world {
         let mut mine = Vec::new();
         let mut shards = BTreeMap::new();
@@ -228,8 +224,10 @@ pub async fn save_sharded(store: &Store, step: u64, world: u32) {
                 },
             );
         }
-        for name in &split[rank as usize] {
-            mine.push(replicated.iter().find(|t| &t.name == name).unwrap().clone());
+        for (i, t) in replicated.iter().enumerate() {
+            if i as u32 % world == rank {
+                mine.push(t.clone());
+            }
         }
         let input = PartInput {
             writer: format!("rank-{rank}"),

@@ -474,6 +474,26 @@ mod tests {
     }
 
     #[test]
+    fn each_key_goes_to_one_rank_and_loads_stay_within_one_tensor() {
+        let sizes: BTreeMap<String, u64> = (0..50u64)
+            .map(|i| (format!("t{i}"), i * 7919 % 1000 + 1))
+            .collect();
+        let largest = *sizes.values().max().unwrap();
+        for world in [1u32, 2, 3, 8, 64] {
+            let owner = assign_keys(&sizes, world);
+            assert_eq!(owner.len(), sizes.len(), "world {world}");
+            assert!(owner.values().all(|r| *r < world), "world {world}");
+            let mut load = vec![0u64; world as usize];
+            for (k, r) in &owner {
+                load[*r as usize] += sizes[k];
+            }
+            let (lo, hi) = (load.iter().min().unwrap(), load.iter().max().unwrap());
+            assert!(hi - lo <= largest, "world {world}: {load:?}");
+            assert_eq!(owner, assign_keys(&sizes, world), "deterministic");
+        }
+    }
+
+    #[test]
     fn should_checkpoint_follows_the_interval() {
         let mut w = Worker {
             rank: 0,
