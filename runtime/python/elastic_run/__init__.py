@@ -1,8 +1,8 @@
 """Worker side of elastic-run.
 
 Reads the environment the agent sets (torchrun's variables plus ``ELASTIC_*``), talks to the
-agent over ``$ELASTIC_AGENT_SOCKET`` (newline-delimited JSON, see the runtime crate's
-``agent_socket`` module), and writes snapshots as safetensors into ``$ELASTIC_STAGING_DIR``.
+agent over ``$ELASTIC_AGENT_SOCKET`` (newline-delimited JSON, see the ``elastic-run-worker``
+crate's ``protocol`` module, ``runtime/worker/src/protocol.rs``), and writes snapshots as safetensors into ``$ELASTIC_STAGING_DIR``.
 
 Typical loop::
 

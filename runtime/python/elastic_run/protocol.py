@@ -1,5 +1,5 @@
 """The worker <-> agent contract, defined once: the wire format on ``$ELASTIC_AGENT_SOCKET``
-(the runtime crate's ``agent_socket`` module), the staged and restored file layout, the bounds
+(the ``elastic-run-worker`` crate's ``protocol`` module), the staged and restored file layout, the bounds
 on everything read from outside this process, and the checks that enforce them.
 
 Requests are newline-delimited JSON objects with a ``type``. Each kind the client sends is
@@ -52,7 +52,7 @@ MSG_QUERY = "query"
 MSG_PEER_STOP = "peer_stop"
 MSG_SAVED = "saved"
 MSG_SKIPPED = "skipped"
-# Every request kind and its fields besides `type`, in the order sent (agent_socket.rs
+# Every request kind and its fields besides `type`, in the order sent (protocol.rs
 # `Request`: rank is a u32, step a u64, dir and reason strings).
 REQUESTS = {
     MSG_PROGRESS: ("rank", "step"),

@@ -212,7 +212,8 @@ pub struct Cli {
           value_parser = scaling::lr_scaling_parser())]
     pub lr_scaling: ScalingMode,
 
-    /// World size the base LR and batch were tuned for (default: the first world size).
+    /// World size the base LR and batch were tuned for (default: nproc x the most nodes of
+    /// `--nnodes`).
     #[arg(long = "base-world-size", env = "ELASTIC_BASE_WORLD_SIZE", value_parser = clap::value_parser!(u32).range(1..))]
     pub base_world_size: Option<u32>,
 
