@@ -2,7 +2,8 @@
 
 Reads the environment the agent sets (torchrun's variables plus ``ELASTIC_*``), talks to the
 agent over ``$ELASTIC_AGENT_SOCKET`` (newline-delimited JSON, see the ``elastic-run-worker``
-crate's ``protocol`` module, ``runtime/worker/src/protocol.rs``), and writes snapshots as safetensors into ``$ELASTIC_STAGING_DIR``.
+crate's ``protocol`` module, ``runtime/worker/src/protocol.rs``), and writes snapshots as
+safetensors into ``$ELASTIC_STAGING_DIR``.
 
 Typical loop::
 

@@ -1,6 +1,7 @@
 """The worker <-> agent contract, defined once: the wire format on ``$ELASTIC_AGENT_SOCKET``
-(the ``elastic-run-worker`` crate's ``protocol`` module), the staged and restored file layout, the bounds
-on everything read from outside this process, and the checks that enforce them.
+(the ``elastic-run-worker`` crate's ``protocol`` module), the staged and restored file
+layout, the bounds on everything read from outside this process, and the checks that
+enforce them.
 
 Requests are newline-delimited JSON objects with a ``type``. Each kind the client sends is
 built by one function here (``_msg_<kind>``); :data:`REQUESTS` lists the kinds and their fields,
