@@ -29,7 +29,7 @@ impl Agent {
         running_gen: Option<&Arc<Generation>>,
     ) -> Result<ControlFlow<u8>> {
         let GroupEnd { outcome, stop_why } = end;
-        let local_drain = self.drain.filter(|d| d.local);
+        let local_drain = self.drain.filter(|d| d.of == DrainOf::Local);
         if let Outcome::Failed(f) = &outcome {
             if local_drain.is_some() {
                 tracing::warn!(
@@ -52,13 +52,7 @@ impl Agent {
                 Outcome::Stopped => Ended::Stopped,
                 Outcome::Failed(_) => Ended::Failed,
             },
-            drain: self.drain.map(|d| {
-                if d.local {
-                    DrainOf::Local
-                } else {
-                    DrainOf::Peer
-                }
-            }),
+            drain: self.drain.map(|d| d.of),
             peer_stop: self.node.state.peer_stop().is_some(),
             etcd: matches!(self.membership, Membership::Etcd(_)),
             stop_why,

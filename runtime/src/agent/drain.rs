@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use super::Node;
+use super::decide::DrainOf;
 use super::membership::Membership;
 use crate::supervisor::Command;
 
@@ -17,19 +18,19 @@ const DRAIN_KILL_WINDOW_MAX_MS: u64 = 5_000;
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Drain {
     pub(super) started: Instant,
-    /// This node leaves (signal, notice), rather than a peer.
-    pub(super) local: bool,
+    /// Whose drain: this node's (it leaves: a signal, a notice) or a peer's.
+    pub(super) of: DrainOf,
 }
 
-/// Starts a drain: `local` when this node leaves (announced to peers first), else a peer's.
+/// Starts a drain: this node's (announced to peers first), or a peer's.
 pub(super) async fn start_drain(
     node: &Node,
     membership: &Membership,
     cmds: &mpsc::Sender<Command>,
-    local: bool,
+    of: DrainOf,
 ) -> Drain {
     let now = Instant::now();
-    if local
+    if of == DrainOf::Local
         && let Membership::Etcd(m) = membership
         && let Some(h) = &m.handle
         && let Err(e) = h.request_drain().await
@@ -52,8 +53,5 @@ pub(super) async fn start_drain(
             sigterm_now,
         })
         .await;
-    Drain {
-        started: now,
-        local,
-    }
+    Drain { started: now, of }
 }

@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use super::committer::{BETWEEN_GENERATIONS_FLUSH_MS, tracker_complete};
-use super::decide::{StopWhy, must_stop};
+use super::decide::{DrainOf, StopWhy, must_stop};
 use super::drain::start_drain;
 use super::membership::{Membership, fenced_metrics};
 use super::{Agent, FLUSH_TIMEOUT_MS};
@@ -86,10 +86,10 @@ impl Agent {
             tokio::select! {
                 out = &mut sup => break out.context("supervisor task")?,
                 Some(sig) = signals.recv() => {
-                    if drain.is_none_or(|d| !d.local) {
+                    if drain.is_none_or(|d| d.of != DrainOf::Local) {
                         tracing::warn!(signal = sig, "signal received; draining");
                         node.events.emit(Event::DrainStarted { reason: DrainReason::Signal });
-                        *drain = Some(start_drain(node, membership, &cmd_tx, true).await);
+                        *drain = Some(start_drain(node, membership, &cmd_tx, DrainOf::Local).await);
                     } else {
                         tracing::warn!(signal = sig, "second signal; forwarding it to the workers");
                         let _ = cmd_tx.send(Command::Signal(sig)).await;
@@ -98,10 +98,10 @@ impl Agent {
                 Some(n) = notices.recv() => match n {
                     notice::Notice::Preempt { why, approval: a } => {
                         *approval = a.or(approval.take());
-                        if drain.is_none_or(|d| !d.local) {
+                        if drain.is_none_or(|d| d.of != DrainOf::Local) {
                             tracing::warn!(notice = %why, "preemption notice; draining");
                             node.events.emit(Event::DrainStarted { reason: DrainReason::Notice });
-                            *drain = Some(start_drain(node, membership, &cmd_tx, true).await);
+                            *drain = Some(start_drain(node, membership, &cmd_tx, DrainOf::Local).await);
                         }
                     }
                     notice::Notice::Rebalance { why } => match state.last_step() {
@@ -163,7 +163,7 @@ impl Agent {
                         if peer_draining {
                             tracing::warn!(draining = ?snap.draining, "a peer is draining; saving and stopping with it");
                             node.events.emit(Event::DrainStarted { reason: DrainReason::Peer });
-                            *drain = Some(start_drain(node, membership, &cmd_tx, false).await);
+                            *drain = Some(start_drain(node, membership, &cmd_tx, DrainOf::Peer).await);
                         }
                     }
                 }
@@ -189,7 +189,9 @@ impl Agent {
         // waiting for queue room as long as this ending allows (a drain's last checkpoint is
         // the one that matters most).
         let handover_limit = match (&*drain, &outcome) {
-            (Some(d), _) if d.local => node.grace.saturating_sub(d.started.elapsed()),
+            (Some(d), _) if d.of == DrainOf::Local => {
+                node.grace.saturating_sub(d.started.elapsed())
+            }
             (_, Outcome::Succeeded) => Duration::from_millis(FLUSH_TIMEOUT_MS),
             _ => Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS),
         };
