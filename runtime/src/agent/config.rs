@@ -22,7 +22,23 @@ pub(super) fn usage(msg: impl Into<String>) -> anyhow::Error {
 pub enum Mode {
     Standalone,
     Static,
-    Etcd,
+    /// Membership in etcd v3 at `--rdzv-endpoint`; with `serve`, this agent serves that etcd
+    /// itself when the endpoint is on its host (`--rdzv-backend c10d`).
+    Etcd {
+        serve: bool,
+    },
+}
+
+/// The backend a command line means: `--rdzv-backend` when given; else etcd v3 for an
+/// endpoint with an elastic `--nnodes MIN:MAX` (the product), else static (torchrun's default).
+pub fn backend_of(cli: &Cli) -> RdzvBackend {
+    match cli.rdzv_backend {
+        Some(b) => b,
+        None if !cli.rdzv_endpoint.trim().is_empty() && cli.nnodes.min != cli.nnodes.max => {
+            RdzvBackend::EtcdV3
+        }
+        None => RdzvBackend::Static,
+    }
 }
 
 impl Mode {
@@ -30,12 +46,14 @@ impl Mode {
         if is_standalone(cli) {
             return Ok(Mode::Standalone);
         }
-        match cli.rdzv_backend {
+        let backend = backend_of(cli);
+        match backend {
             RdzvBackend::Static => {
                 if cli.nnodes.min != cli.nnodes.max {
                     return Err(usage(format!(
-                        "--nnodes {}:{} needs an elastic backend: add --rdzv-backend etcd-v3 \
-                         --rdzv-endpoint HOST:PORT (static rendezvous takes a fixed --nnodes N)",
+                        "--nnodes {}:{} needs an elastic backend: add --rdzv-endpoint HOST:PORT \
+                         of an etcd (--rdzv-backend etcd-v3, the default with an endpoint), or \
+                         --rdzv-backend c10d (static rendezvous takes a fixed --nnodes N)",
                         cli.nnodes.min, cli.nnodes.max
                     )));
                 }
@@ -47,13 +65,16 @@ impl Mode {
                 }
                 Ok(Mode::Static)
             }
-            RdzvBackend::EtcdV3 => {
+            RdzvBackend::EtcdV3 | RdzvBackend::C10d => {
                 if cli.rdzv_endpoint.trim().is_empty() {
-                    return Err(usage(
-                        "--rdzv-backend etcd-v3 needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]",
-                    ));
+                    return Err(usage(format!(
+                        "--rdzv-backend {} needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]",
+                        backend.as_str()
+                    )));
                 }
-                Ok(Mode::Etcd)
+                Ok(Mode::Etcd {
+                    serve: backend == RdzvBackend::C10d,
+                })
             }
         }
     }
@@ -608,6 +629,27 @@ mod etcd_connect_tests {
     }
 }
 
+/// Under static rendezvous, `--rdzv-endpoint HOST:PORT` names the master (torchrun's rule);
+/// `None` without an endpoint.
+pub fn static_master(cli: &Cli) -> Result<Option<(String, u16)>> {
+    let e = cli.rdzv_endpoint.trim();
+    if e.is_empty() {
+        return Ok(None);
+    }
+    let bad = || {
+        usage(format!(
+            "--rdzv-endpoint {e}: static rendezvous needs one HOST:PORT"
+        ))
+    };
+    let (host, port) = e.rsplit_once(':').ok_or_else(bad)?;
+    let port: u16 = port.parse().map_err(|_| bad())?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() || host.contains(',') {
+        return Err(bad());
+    }
+    Ok(Some((host.to_string(), port)))
+}
+
 /// Standalone when asked, or when one node runs with no rendezvous endpoint (torchrun's rule).
 pub fn is_standalone(cli: &Cli) -> bool {
     cli.standalone || (cli.nnodes.max == 1 && cli.rdzv_endpoint.is_empty())
@@ -649,11 +691,19 @@ pub fn worker_argv(cli: &Cli) -> Result<Vec<String>> {
         v.extend(cmd.iter().cloned());
         v
     };
-    Ok(if cli.no_python {
+    Ok(if cli.run_path {
+        py(&[])
+    } else if cli.no_python && cli.module {
+        bail!(UsageError(
+            "--no-python and --module (-m) cannot be used together: --module runs CMD with the \
+             Python interpreter"
+                .into()
+        ))
+    } else if cli.no_python {
         cmd.clone()
     } else if cli.module {
         py(&["-m"])
-    } else if cli.run_path || first.ends_with(".py") {
+    } else if first.ends_with(".py") {
         py(&[])
     } else {
         cmd.clone()
@@ -730,6 +780,40 @@ mod tests {
             argv(&["--run-path", "--python", "/v/py", "script"]),
             ["/v/py", "-u", "script"]
         );
+        // torchrun: --run-path wins over --no-python; --no-python with --module is refused.
+        assert_eq!(
+            argv(&["--run-path", "--no-python", "s.py"]),
+            ["python3", "-u", "s.py"]
+        );
+        let e = worker_argv(&cli(&["--no-python", "--module", "x"])).unwrap_err();
+        assert!(e.downcast_ref::<UsageError>().is_some());
+        assert!(e.to_string().contains("--no-python") && e.to_string().contains("--module"));
+    }
+
+    #[test]
+    fn an_endpoint_with_elastic_nnodes_means_etcd_and_c10d_serves_it() {
+        let mode = |a: &[&str]| Mode::of(&cli(a)).map_err(|e| e.to_string());
+        assert_eq!(
+            mode(&["--nnodes", "2:8", "--rdzv-endpoint", "h:2379", "x.py"]),
+            Ok(Mode::Etcd { serve: false })
+        );
+        assert_eq!(
+            mode(&[
+                "--nnodes=1:2",
+                "--rdzv-backend=c10d",
+                "--rdzv-endpoint=h:1",
+                "x.py"
+            ]),
+            Ok(Mode::Etcd { serve: true })
+        );
+        assert_eq!(
+            mode(&["--nnodes", "2", "--rdzv-endpoint", "h:29500", "x.py"]),
+            Ok(Mode::Static)
+        );
+        let e = mode(&["--nnodes", "1:2", "x.py"]).unwrap_err();
+        assert!(e.contains("--rdzv-endpoint") && e.contains("c10d"), "{e}");
+        let e = mode(&["--nnodes", "1:2", "--rdzv-backend", "c10d", "x.py"]).unwrap_err();
+        assert!(e.contains("c10d needs --rdzv-endpoint"), "{e}");
     }
 
     #[test]

@@ -37,7 +37,7 @@ pub(super) async fn start(
     scaling_cfg.validate().map_err(|e| usage(e.to_string()))?;
     let argv = worker_argv(&cli)?;
     let rdzv_cfg = match mode {
-        Mode::Etcd => Some(rendezvous_config(&cli, &node_id, nproc, &scaling_cfg)?),
+        Mode::Etcd { .. } => Some(rendezvous_config(&cli, &node_id, nproc, &scaling_cfg)?),
         _ => None,
     };
     let url = cli
@@ -155,13 +155,20 @@ pub(super) async fn start(
     }
     let membership = match mode {
         Mode::Standalone | Mode::Static => {
-            let master_port = match (mode, cli.master_port) {
-                (_, Some(p)) => p,
-                (Mode::Static, None) => crate::cli::MASTER_PORT_DEFAULT,
+            // Static with an endpoint: torchrun's master is the endpoint.
+            let endpoint = match mode {
+                Mode::Static => super::config::static_master(&cli)?,
+                _ => None,
+            };
+            let master_port = match (mode, endpoint.as_ref(), cli.master_port) {
+                (_, Some((_, p)), _) => *p,
+                (_, None, Some(p)) => p,
+                (Mode::Static, None, None) => crate::cli::MASTER_PORT_DEFAULT,
                 _ => free_port().context("no free port for the master")?,
             };
-            let (node_rank, node_count, master_addr) = match mode {
-                Mode::Static => (cli.node_rank, cli.nnodes.max, cli.master_addr.clone()),
+            let (node_rank, node_count, master_addr) = match (mode, endpoint) {
+                (Mode::Static, Some((host, _))) => (cli.node_rank, cli.nnodes.max, host),
+                (Mode::Static, None) => (cli.node_rank, cli.nnodes.max, cli.master_addr.clone()),
                 _ => (0, 1, "127.0.0.1".to_string()),
             };
             let world = nproc.saturating_mul(node_count);
@@ -181,7 +188,7 @@ pub(super) async fn start(
                 resume: None,
             })
         }
-        Mode::Etcd => {
+        Mode::Etcd { .. } => {
             let cfg = rdzv_cfg.expect("etcd mode has a rendezvous config");
             let mut m = EtcdMember::join(cfg, &events).await?;
             state

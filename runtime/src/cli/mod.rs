@@ -20,19 +20,25 @@ use std::time::Duration;
 use clap::Parser;
 use elastic::scaling::{OnIndivisible, ScalingMode};
 
+mod console;
 mod scaling;
 mod store;
 mod values;
 
+pub use console::{LocalRanks, Std, StdSpec};
+use console::{parse_local_ranks, parse_std_spec};
+
 pub use store::{StoreOptionList, StoreOptionsParser, check_store_options, store_option_known};
 pub(crate) use values::parse_rdzv_conf;
 pub use values::{
-    AWS_NOTICE_URL, AZURE_NOTICE_URL, CHECKPOINT_SCHEMES, CheckpointUrl, GCP_NOTICE_URL, NNodes,
-    NProc, NoticeKind, PreemptionNotice, RdzvBackend, RdzvConf, RebalanceAction, parse_duration,
+    AWS_NOTICE_URL, AZURE_NOTICE_URL, CHECKPOINT_SCHEMES, CheckpointUrl, EventLogHandler,
+    GCP_NOTICE_URL, NNodes, NProc, NoticeKind, PreemptionNotice, RdzvBackend, RdzvConf,
+    RebalanceAction, StartMethod, parse_duration,
 };
 use values::{
-    parse_backend, parse_checkpoint_url, parse_keep_last, parse_nnodes, parse_notice, parse_nproc,
-    parse_positive_duration, parse_positive_f64,
+    parse_backend, parse_bool_env, parse_checkpoint_url, parse_filters, parse_keep_last,
+    parse_logs_specs, parse_nnodes, parse_notice, parse_nproc, parse_positive_duration,
+    parse_positive_f64, parse_signals,
 };
 
 /// Default `--max-restarts` (torchrun's default is 0).
@@ -66,6 +72,8 @@ pub const NPROC_PER_NODE_MAX: u32 = 1024;
 #[command(
     name = "elastic-run",
     version,
+    // argparse (torchrun) takes any unambiguous prefix of a long flag (`--redirect=3`).
+    infer_long_args = true,
     after_help = "Examples:\n  elastic-run --standalone --nproc-per-node 2 -- python train.py\n  \
                   elastic-run --nproc-per-node 2 train.py --lr 0.1   (torchrun style)"
 )]
@@ -79,12 +87,19 @@ pub struct Cli {
           default_value = "1", value_parser = parse_nproc)]
     pub nproc_per_node: NProc,
 
-    /// Rendezvous backend: `etcd-v3` (alias `etcd`), `static`; `c10d` is refused.
+    /// Rendezvous backend. `etcd-v3` (alias `etcd`): membership in the etcd v3 cluster at
+    /// `--rdzv-endpoint`, the one to use for jobs that must outlive any node. `c10d`, as in
+    /// torchrun, needs no service of its own: the agent on the endpoint's host starts an etcd
+    /// at the endpoint (unless one already answers there) and every agent speaks etcd v3 to it;
+    /// that node is then the one the job cannot lose. `static`: a fixed set of nodes
+    /// (`--nnodes N --node-rank --master-addr --master-port`). Default: `etcd-v3` when
+    /// `--rdzv-endpoint` is given with an elastic `--nnodes MIN:MAX`, else `static`.
     #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND",
-          default_value = "static", value_parser = parse_backend)]
-    pub rdzv_backend: RdzvBackend,
+          value_parser = parse_backend)]
+    pub rdzv_backend: Option<RdzvBackend>,
 
-    /// Rendezvous endpoint, `host:port` of etcd.
+    /// Rendezvous endpoint: `HOST:PORT[,HOST:PORT...]` of etcd (`etcd-v3`, `c10d`; c10d's
+    /// port defaults to 29400), or the master's `HOST:PORT` under `static`.
     #[arg(
         long = "rdzv-endpoint",
         alias = "rdzv_endpoint",
@@ -106,7 +121,8 @@ pub struct Cli {
     pub rdzv_conf: RdzvConf,
 
     /// Standalone: one node, no rendezvous service (`--nnodes 1`, local master).
-    #[arg(long, env = "PET_STANDALONE")]
+    #[arg(long, env = "PET_STANDALONE", num_args = 0, default_missing_value = "1",
+          default_value = "0", action = clap::ArgAction::Set, value_parser = parse_bool_env)]
     pub standalone: bool,
 
     /// Restarts of the worker group after a failure before the job fails.
@@ -145,22 +161,96 @@ pub struct Cli {
     )]
     pub node_rank: u32,
 
-    /// Run CMD as a Python module (`python -m CMD`).
-    #[arg(short = 'm', long = "module", env = "PET_MODULE", conflicts_with_all = ["no_python", "run_path"])]
+    /// Run CMD as a Python module (`python -m CMD`); not with `--no-python`.
+    #[arg(short = 'm', long = "module", env = "PET_MODULE", num_args = 0,
+          default_missing_value = "1", default_value = "0", action = clap::ArgAction::Set, value_parser = parse_bool_env)]
     pub module: bool,
 
     /// Execute CMD directly, without prepending the Python interpreter.
-    #[arg(
-        long = "no-python",
-        alias = "no_python",
-        env = "PET_NO_PYTHON",
-        conflicts_with = "run_path"
-    )]
+    #[arg(long = "no-python", alias = "no_python", env = "PET_NO_PYTHON", num_args = 0,
+          default_missing_value = "1", default_value = "0", action = clap::ArgAction::Set, value_parser = parse_bool_env)]
     pub no_python: bool,
 
-    /// Run CMD as a Python script path (the default for a `*.py` CMD).
-    #[arg(long = "run-path", alias = "run_path", env = "PET_RUN_PATH")]
+    /// Run CMD as a Python script path (the default for a `*.py` CMD); takes precedence over
+    /// `--no-python` and `--module`, as in torchrun.
+    #[arg(long = "run-path", alias = "run_path", env = "PET_RUN_PATH", num_args = 0,
+          default_missing_value = "1", default_value = "0", action = clap::ArgAction::Set, value_parser = parse_bool_env)]
     pub run_path: bool,
+
+    /// How torchrun would start workers: `spawn`, `fork` or `forkserver`. elastic-run always
+    /// execs every worker as a new process (what `spawn` does for a script), so the three run
+    /// alike; the flag is accepted so that torchrun command lines run unchanged.
+    #[arg(long = "start-method", alias = "start_method", env = "PET_START_METHOD", value_enum,
+          default_value_t = StartMethod::Spawn)]
+    pub start_method: StartMethod,
+
+    /// torchrun's logs-specs plug-in. elastic-run has one, `default`: the `--log-dir` layout
+    /// of torchrun's default; any other name is refused.
+    #[arg(long = "logs-specs", alias = "logs_specs", value_parser = parse_logs_specs)]
+    pub logs_specs: Option<String>,
+
+    /// torchrun's event sink, `null` or `console`. elastic-run logs its events (generations,
+    /// restarts, failures) to its own log either way, and to `--events-file` as JSON lines.
+    #[arg(long = "event-log-handler", alias = "event_log_handler", env = "PET_EVENT_LOG_HANDLER",
+          value_enum, default_value_t = EventLogHandler::Null)]
+    pub event_log_handler: EventLogHandler,
+
+    /// Base directory for the workers' log files, torchrun's layout:
+    /// `DIR/RUN_ID_XXXX/attempt_N/LOCAL_RANK/{stdout,stderr}.log` and `error.json`.
+    /// Default: a new temporary directory when `--redirects` or `--tee` needs one.
+    #[arg(long = "log-dir", alias = "log_dir", env = "PET_LOG_DIR")]
+    pub log_dir: Option<PathBuf>,
+
+    /// Streams of each worker to write to its log file instead of the console: `0` none (the
+    /// default: workers write straight to this terminal), `1` stdout, `2` stderr, `3` both, or
+    /// per local rank (`0:1,1:2`).
+    #[arg(short = 'r', long = "redirects", env = "PET_REDIRECTS", default_value = "0",
+          value_parser = parse_std_spec)]
+    pub redirects: StdSpec,
+
+    /// Streams of each worker to write to its log file and also to the console, each line
+    /// prefixed with `[ROLE LOCAL_RANK]:` (`[default0]:`) or
+    /// `TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE` (`${role_name}`, `${rank}`, `${local_rank}`);
+    /// values as for `--redirects`.
+    #[arg(short = 't', long = "tee", env = "PET_TEE", default_value = "0",
+          value_parser = parse_std_spec)]
+    pub tee: StdSpec,
+
+    /// Only these local ranks' output reaches the console (`0` or `0,2`); the others' is still
+    /// written to their log files when redirected or teed.
+    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter", env = "PET_LOCAL_RANKS_FILTER",
+          default_value = "", value_parser = parse_local_ranks)]
+    pub local_ranks_filter: LocalRanks,
+
+    /// Also copy the teed stdout lines that contain any of these strings to
+    /// `attempt_N/filtered_stdout.log` (comma-separated; `,,` is a literal comma).
+    #[arg(long = "duplicate-stdout-filters", alias = "duplicate_stdout_filters",
+          env = "PET_DUPLICATE_STDOUT_FILTERS", default_value = "", value_parser = parse_filters)]
+    pub duplicate_stdout_filters: Filters,
+
+    /// As `--duplicate-stdout-filters`, for stderr (`filtered_stderr.log`).
+    #[arg(long = "duplicate-stderr-filters", alias = "duplicate_stderr_filters",
+          env = "PET_DUPLICATE_STDERR_FILTERS", default_value = "", value_parser = parse_filters)]
+    pub duplicate_stderr_filters: Filters,
+
+    /// Signals the agent handles (drains on) and passes on to the workers, as
+    /// `TORCHELASTIC_SIGNALS_TO_HANDLE`: a comma-separated list of `SIGTERM`, `SIGINT`,
+    /// `SIGHUP`, `SIGQUIT`, `SIGUSR1`, `SIGUSR2`.
+    #[arg(long = "signals-to-handle", alias = "signals_to_handle", env = "PET_SIGNALS_TO_HANDLE",
+          default_value = SIGNALS_TO_HANDLE_DEFAULT, value_parser = parse_signals)]
+    pub signals_to_handle: Signals,
+
+    /// Seconds between SIGTERM and SIGKILL when the agent stops its workers (default
+    /// `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else 30). A drain waits `--preemption-grace` instead.
+    #[arg(long = "shutdown-timeout", alias = "shutdown_timeout", env = "PET_SHUTDOWN_TIMEOUT",
+          value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub shutdown_timeout: Option<u64>,
+
+    /// Every worker sees `LOCAL_RANK=0` and only its own GPU (`CUDA_VISIBLE_DEVICES`), so every
+    /// rank compiles for device 0.
+    #[arg(long = "virtual-local-rank", alias = "virtual_local_rank", env = "PET_VIRTUAL_LOCAL_RANK",
+          num_args = 0, default_missing_value = "1", default_value = "0", action = clap::ArgAction::Set, value_parser = parse_bool_env)]
+    pub virtual_local_rank: bool,
 
     /// The Python interpreter used for script and module mode.
     #[arg(long, env = "ELASTIC_PYTHON", default_value = "python3")]
@@ -306,6 +396,11 @@ pub struct Cli {
     pub cmd: Vec<String>,
 }
 
+/// Default `--signals-to-handle`, torchrun's.
+pub const SIGNALS_TO_HANDLE_DEFAULT: &str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT";
+
+pub use values::{Filters, Signals};
+
 /// Parses `args` after the program name, as `main` does (tests).
 #[cfg(test)]
 pub(crate) fn try_parse(args: &[&str]) -> Result<Cli, clap::Error> {
@@ -340,7 +435,7 @@ mod tests {
         assert_eq!(cli.nproc_per_node, NProc::Count(4));
         assert_eq!(cli.max_restarts, 2);
         assert_eq!(cli.rdzv_endpoint, "h:2379");
-        assert_eq!(cli.rdzv_backend, RdzvBackend::EtcdV3);
+        assert_eq!(cli.rdzv_backend, Some(RdzvBackend::EtcdV3));
         assert_eq!(cli.node_rank, 1);
         assert_eq!(cli.master_port, Some(1234));
         assert_eq!(cli.cmd, vec!["train.py"]);
@@ -373,7 +468,14 @@ mod tests {
             &["--nnodes", "4:2", "x.py"][..],
             &["--nproc-per-node", "many", "x.py"],
             &["--nproc-per-node", "0", "x.py"],
-            &["--rdzv-backend", "c10d", "x.py"],
+            &["--rdzv-backend", "zookeeper", "x.py"],
+            &["--nnodes", "2:20:30", "x.py"],
+            &["--start-method", "thread", "x.py"],
+            &["--logs-specs", "DOESNOT_EXIST", "x.py"],
+            &["--redirects", "4", "x.py"],
+            &["--tee", "0:9", "x.py"],
+            &["--local-ranks-filter", "a", "x.py"],
+            &["--signals-to-handle", "SIGKILL", "x.py"],
             &["--lr-scaling", "cubic", "x.py"],
             &["--preemption-grace", "soon", "x.py"],
             &["--preemption-notice", "ftp://x", "x.py"],
@@ -384,7 +486,6 @@ mod tests {
             &["--rdzv-conf", "novalue", "x.py"],
             &["--base-world-size", "0", "x.py"],
             &["--base-lr", "-1", "x.py"],
-            &["--no-python", "-m", "x"],
             &["--standalone"],
             &["--bogus", "x.py"],
             &["--hang-timeout", "0", "x.py"],
@@ -427,11 +528,43 @@ mod tests {
     }
 
     #[test]
-    fn c10d_backend_message_names_the_alternatives() {
-        let err = parse(&["--rdzv-backend", "c10d", "x.py"])
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("etcd-v3") && err.contains("static"), "{err}");
+    fn torchrun_launcher_flags_parse_with_torchrun_spellings() {
+        let cli = parse(&[
+            "--start-method=spawn",
+            "--logs_specs=default",
+            "--redirect=3",
+            "-t",
+            "0:1,1:2",
+            "--log_dir",
+            "/tmp/logs",
+            "--local-ranks-filter=0",
+            "--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'",
+            "--shutdown-timeout=7",
+            "--signals_to_handle=SIGTERM,SIGUSR1",
+            "--virtual-local-rank",
+            "--no-python",
+            "--module",
+            "x",
+        ])
+        .unwrap();
+        assert_eq!(cli.start_method, StartMethod::Spawn);
+        assert_eq!(cli.logs_specs.as_deref(), Some("default"));
+        assert_eq!(cli.redirects, StdSpec::All(Std::ALL));
+        assert_eq!(cli.tee.of(1), Std::ERR);
+        assert_eq!(cli.log_dir, Some(PathBuf::from("/tmp/logs")));
+        assert!(cli.local_ranks_filter.shows(0) && !cli.local_ranks_filter.shows(1));
+        assert_eq!(cli.rdzv_conf.get("join_timeout"), Some("5"));
+        assert_eq!(cli.shutdown_timeout, Some(7));
+        assert_eq!(cli.signals_to_handle.names, "SIGTERM,SIGUSR1");
+        assert!(cli.virtual_local_rank && cli.no_python && cli.module && !cli.run_path);
+        let plain = parse(&["x.py"]).unwrap();
+        assert!(!plain.module && !plain.no_python && !plain.standalone);
+        assert_eq!(plain.rdzv_backend, None);
+        assert_eq!(plain.redirects, StdSpec::None);
+        assert_eq!(plain.signals_to_handle.names, SIGNALS_TO_HANDLE_DEFAULT);
+        // A flag's name still reaches its message.
+        let e = parse(&["--nproc-per-node", "unknown", "x.py"]).unwrap_err();
+        assert!(e.to_string().contains("--nproc-per-node") && e.to_string().contains("unknown"));
     }
 
     #[test]

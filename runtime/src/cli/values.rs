@@ -33,10 +33,42 @@ pub enum NProc {
 /// `--rdzv-backend`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RdzvBackend {
-    /// etcd v3 membership (the `elastic` crate).
+    /// etcd v3 membership (the `elastic` crate) at `--rdzv-endpoint`.
     EtcdV3,
+    /// torchrun's launcher-served rendezvous: the agent on the endpoint's host serves an etcd
+    /// at the endpoint, and every agent speaks etcd v3 to it.
+    C10d,
     /// Fixed membership from `--nnodes N --node-rank --master-addr --master-port`.
     Static,
+}
+
+impl RdzvBackend {
+    /// The spelling `--help` and messages use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RdzvBackend::EtcdV3 => "etcd-v3",
+            RdzvBackend::C10d => "c10d",
+            RdzvBackend::Static => "static",
+        }
+    }
+}
+
+/// `--start-method`: how torchrun's multiprocessing starts workers. elastic-run always execs
+/// each worker as a new process (what `spawn` means for a script), so every value runs the
+/// same way; they are accepted so that torchrun lines run unchanged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StartMethod {
+    Spawn,
+    Fork,
+    Forkserver,
+}
+
+/// `--event-log-handler`: torchrun's event sinks. elastic-run logs its events through its own
+/// log and `--events-file`; `null` and `console` are accepted for torchrun's lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EventLogHandler {
+    Null,
+    Console,
 }
 
 /// `--rdzv-conf key=value,...`, in the order given.
@@ -124,6 +156,9 @@ pub(super) fn parse_nnodes(s: &str) -> Result<NNodes, String> {
         }
         Ok(n)
     };
+    if s.matches(':').count() > 1 {
+        return Err(format!("`{s}` is not N or MIN:MAX"));
+    }
     let (min, max) = match s.split_once(':') {
         Some((a, b)) => (num(a)?, num(b)?),
         None => {
@@ -141,14 +176,16 @@ pub(super) fn parse_nproc(s: &str) -> Result<NProc, String> {
     match s.trim() {
         "auto" => Ok(NProc::Auto),
         "cpu" => Ok(NProc::Cpu),
-        "gpu" => Ok(NProc::Gpu),
+        "gpu" | "xpu" => Ok(NProc::Gpu),
         t => match t.parse::<u32>() {
             Ok(0) => Err("needs at least 1 worker".into()),
             Ok(n) if n > NPROC_PER_NODE_MAX => {
                 Err(format!("at most {NPROC_PER_NODE_MAX} workers per node"))
             }
             Ok(n) => Ok(NProc::Count(n)),
-            Err(_) => Err(format!("`{t}` is not a number, `auto`, `cpu` or `gpu`")),
+            Err(_) => Err(format!(
+                "`{t}` is not a number, `auto`, `cpu`, `gpu` or `xpu`"
+            )),
         },
     }
 }
@@ -156,21 +193,24 @@ pub(super) fn parse_nproc(s: &str) -> Result<NProc, String> {
 pub(super) fn parse_backend(s: &str) -> Result<RdzvBackend, String> {
     match s.trim() {
         "etcd-v3" | "etcd" | "etcd_v3" => Ok(RdzvBackend::EtcdV3),
+        "c10d" => Ok(RdzvBackend::C10d),
         "static" => Ok(RdzvBackend::Static),
-        "c10d" => Err(
-            "`c10d` rendezvous is not supported: use `etcd-v3` for elastic jobs, or \
-                       `static` (--master-addr/--master-port/--node-rank) for a fixed set of nodes"
-                .into(),
-        ),
         other => Err(format!(
-            "unknown backend `{other}`: use `etcd-v3` or `static`"
+            "unknown backend `{other}`: use `etcd-v3` (alias `etcd`), `c10d` or `static`"
         )),
     }
 }
 
+/// `key=value,key=value`. One pair of quotes around the whole list is dropped: torchrun's own
+/// tests pass `--rdzv-conf='join_timeout=5,timeout=5'` as one argument, quotes included.
 pub(crate) fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, String> {
     let mut out = Vec::new();
-    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+    let t = s.trim();
+    let t = ['\'', '"']
+        .iter()
+        .find_map(|q| t.strip_prefix(*q).and_then(|r| r.strip_suffix(*q)))
+        .unwrap_or(t);
+    for part in t.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (k, v) = part
             .split_once('=')
             .ok_or_else(|| format!("`{part}` is not key=value"))?;
@@ -183,6 +223,112 @@ pub(crate) fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, String> {
         }
     }
     Ok(RdzvConf(out))
+}
+
+/// A torchrun boolean flag's `PET_*` value: an integer (`0` is false, anything else true, as
+/// torchrun reads it), or `true`/`false`/`yes`/`no`.
+pub(super) fn parse_bool_env(s: &str) -> Result<bool, String> {
+    let t = s.trim();
+    if let Ok(n) = t.parse::<i64>() {
+        return Ok(n != 0);
+    }
+    match t.to_ascii_lowercase().as_str() {
+        "true" | "yes" | "on" => Ok(true),
+        "false" | "no" | "off" | "" => Ok(false),
+        _ => Err(format!("`{s}` is not 0/1 or true/false")),
+    }
+}
+
+/// `--logs-specs`: only torchrun's `default` exists here.
+pub(super) fn parse_logs_specs(s: &str) -> Result<String, String> {
+    match s.trim() {
+        "default" => Ok("default".into()),
+        other => Err(format!(
+            "unknown logs specs `{other}`: elastic-run has only `default` (torchrun's layout \
+             under --log-dir)"
+        )),
+    }
+}
+
+/// Largest number of `--duplicate-*-filters` strings.
+const FILTERS_MAX: usize = 64;
+
+/// `--duplicate-stdout-filters`/`--duplicate-stderr-filters`: strings a line may contain.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Filters(pub Vec<String>);
+
+impl Filters {
+    /// Whether `line` contains one of the strings.
+    pub fn matches(&self, line: &str) -> bool {
+        self.0.iter().any(|f| line.contains(f.as_str()))
+    }
+}
+
+/// Comma-separated, `,,` for a literal comma, empty strings dropped.
+pub(super) fn parse_filters(s: &str) -> Result<Filters, String> {
+    const PLACEHOLDER: char = '\u{0}';
+    let items: Vec<String> = s
+        .replace(",,", &PLACEHOLDER.to_string())
+        .split(',')
+        .map(|i| i.replace(PLACEHOLDER, ","))
+        .filter(|i| !i.is_empty())
+        .collect();
+    if items.len() > FILTERS_MAX {
+        return Err(format!("more than {FILTERS_MAX} filters"));
+    }
+    Ok(Filters(items))
+}
+
+/// `--signals-to-handle`: signal numbers, in the order given, and the list as written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Signals {
+    pub numbers: Vec<i32>,
+    /// The names, comma-separated (`TORCHELASTIC_SIGNALS_TO_HANDLE`).
+    pub names: String,
+}
+
+/// Signals the agent can handle by name.
+const HANDLED_SIGNALS: &[(&str, i32)] = &[
+    ("SIGTERM", libc::SIGTERM),
+    ("SIGINT", libc::SIGINT),
+    ("SIGHUP", libc::SIGHUP),
+    ("SIGQUIT", libc::SIGQUIT),
+    ("SIGUSR1", libc::SIGUSR1),
+    ("SIGUSR2", libc::SIGUSR2),
+];
+
+pub(super) fn parse_signals(s: &str) -> Result<Signals, String> {
+    let mut numbers = Vec::new();
+    let mut names = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let upper = part.to_ascii_uppercase();
+        let name = if upper.starts_with("SIG") {
+            upper
+        } else {
+            format!("SIG{upper}")
+        };
+        let Some((n, num)) = HANDLED_SIGNALS.iter().find(|(n, _)| *n == name) else {
+            return Err(format!(
+                "`{part}` is not one of {}",
+                HANDLED_SIGNALS
+                    .iter()
+                    .map(|(n, _)| *n)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        };
+        if !numbers.contains(num) {
+            numbers.push(*num);
+            names.push(*n);
+        }
+    }
+    if numbers.is_empty() {
+        return Err("needs at least one signal".into());
+    }
+    Ok(Signals {
+        numbers,
+        names: names.join(","),
+    })
 }
 
 /// Seconds (`30`, `0.5`) or a number with a unit: `ms`, `s`, `m`, `h`.
@@ -297,6 +443,47 @@ mod tests {
         assert!(parse_nnodes("8:2").is_err());
         assert!(parse_nnodes("0").is_err());
         assert!(parse_nnodes("a:2").is_err());
+        let e = parse_nnodes("2:20:30").unwrap_err();
+        assert!(e.contains("2:20:30") && e.contains("MIN:MAX"), "{e}");
+    }
+
+    #[test]
+    fn rdzv_conf_drops_one_pair_of_quotes_around_the_list() {
+        let c = parse_rdzv_conf("'join_timeout=5,last_call_timeout=1,timeout=5'").unwrap();
+        assert_eq!(c.get("join_timeout"), Some("5"));
+        assert_eq!(c.get("timeout"), Some("5"));
+        assert_eq!(
+            parse_rdzv_conf("\"timeout=5\"").unwrap().get("timeout"),
+            Some("5")
+        );
+        assert!(parse_rdzv_conf("'timeout").is_err());
+        assert_eq!(parse_backend("c10d"), Ok(RdzvBackend::C10d));
+        let e = parse_backend("zookeeper").unwrap_err();
+        assert!(e.contains("zookeeper") && e.contains("c10d"), "{e}");
+    }
+
+    #[test]
+    fn torchrun_booleans_filters_and_signals_parse() {
+        assert_eq!(parse_bool_env("0"), Ok(false));
+        assert_eq!(parse_bool_env("1"), Ok(true));
+        assert_eq!(parse_bool_env("2"), Ok(true));
+        assert_eq!(parse_bool_env("False"), Ok(false));
+        assert!(parse_bool_env("maybe").unwrap_err().contains("maybe"));
+        assert_eq!(parse_logs_specs("default").unwrap(), "default");
+        assert!(
+            parse_logs_specs("DOESNOT_EXIST")
+                .unwrap_err()
+                .contains("DOESNOT_EXIST")
+        );
+        let f = parse_filters("NCCL,,x,loss").unwrap();
+        assert_eq!(f.0, vec!["NCCL,x".to_string(), "loss".into()]);
+        assert!(f.matches("step 3 loss 0.1") && !f.matches("step 3"));
+        assert!(parse_filters("").unwrap().0.is_empty());
+        let s = parse_signals("SIGTERM, sigint,HUP,SIGTERM").unwrap();
+        assert_eq!(s.numbers, vec![libc::SIGTERM, libc::SIGINT, libc::SIGHUP]);
+        assert_eq!(s.names, "SIGTERM,SIGINT,SIGHUP");
+        assert!(parse_signals("SIGKILL").unwrap_err().contains("SIGKILL"));
+        assert!(parse_signals("").is_err());
     }
 
     #[test]
