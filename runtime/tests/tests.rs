@@ -1,7 +1,8 @@
 //! The runtime's integration tests, one binary: the agent end to end on one node
 //! (`agent.rs`), several agents forming elastic jobs on a real etcd (`elastic.rs`), the
 //! store sink against real stores (`store_sink.rs`), and the agent's decision core driven by
-//! `testdata/agent_decide.json` and a seeded sweep (`agent_decide.rs`).
+//! `testdata/agent_decide.json` and a seeded sweep (`agent_decide.rs`), and torchrun's own
+//! launcher test cases replayed through our command line (`torchrun.rs`).
 
 #[path = "suite/agent.rs"]
 mod agent;
@@ -11,5 +12,7 @@ mod agent_decide;
 mod elastic;
 #[path = "suite/store_sink.rs"]
 mod store_sink;
+#[path = "suite/torchrun.rs"]
+mod torchrun;
 #[path = "suite/util.rs"]
 mod util;
