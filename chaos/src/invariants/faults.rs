@@ -136,9 +136,26 @@ fn store_trouble_before(fired: &[Fired], t: u64) -> bool {
     })
 }
 
+/// The checkpoints given up among the steps `(resume, reached]` a fault undid: a worker with a
+/// full staging filesystem skipped its snapshot, so no node could commit that step (every rank
+/// given up at one step counts once).
+fn given_up_between(events: &[Record], resume: u64, reached: u64) -> u64 {
+    let steps: std::collections::BTreeSet<u64> = events
+        .iter()
+        .filter_map(|e| match e.event {
+            Event::CheckpointSkipped { step, .. } if step > resume && step <= reached => Some(step),
+            _ => None,
+        })
+        .collect();
+    steps.len() as u64
+}
+
 /// 4. Lost work per fault. After store trouble the agents hold a backlog of staged,
 ///    uncommitted checkpoints (at most the commit pipeline's depth: workers wait beyond it),
-///    so a crash then may lose up to that many intervals.
+///    so a crash then may lose up to that many intervals. A crash may also lose one more
+///    interval for each checkpoint that a full staging filesystem made the job give up
+///    since its newest commit: those steps were never committed anywhere. A preemption's
+///    bound of 0 is not widened by them: its drained step commits regardless.
 pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]) -> Check {
     let mut bad = Vec::new();
     for e in effects(events, fired) {
@@ -146,11 +163,18 @@ pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]
             continue;
         }
         let backlog = store_trouble_before(fired, e.at_unix_ms);
+        let given_up = match (e.resume_step, e.lost_steps) {
+            (resume, Some(lost)) => {
+                let resume = resume.unwrap_or(0);
+                given_up_between(events, resume, resume + lost)
+            }
+            _ => 0,
+        };
         let crash_bound = if backlog {
             s.checkpoint_interval * COMMIT_PIPELINE_CHECKPOINTS
         } else {
             s.checkpoint_interval
-        };
+        } + s.checkpoint_interval * given_up;
         let bound = match e.kind {
             // A node already fenced (cut off from etcd, its workers stopped) when the
             // preemption came has nothing left to save: it lost what a partition loses.
@@ -221,7 +245,7 @@ pub(super) fn faults_took_effect(s: &Scenario, events: &[Record], fired: &[Fired
 mod tests {
     use super::super::check;
     use super::super::tests::{
-        drain, events, fenced, fired, first_step, generation, joined, outcome, scenario,
+        drain, events, fenced, fired, first_step, generation, joined, outcome, rec, scenario,
     };
     use super::*;
     use crate::events::DrainReason;
@@ -339,6 +363,44 @@ mod tests {
         f.extend(fired(FaultKind::SigkillAgent));
         assert!(lost_work_check(&s, &evs, &f).ok);
         assert!(!lost_work_check(&s, &evs_one_more, &f).ok);
+    }
+
+    #[test]
+    fn a_crash_may_lose_one_more_interval_per_checkpoint_given_up_since_the_newest_commit() {
+        let s = scenario();
+        // The kill at 3500 ms costs 13 steps (resume 0): more than one interval of 5.
+        let mut evs = events();
+        set_resume_step(&mut evs[4], 0);
+        let skipped = |t: u64, node: &str, step: u64, rank: u32| {
+            rec(
+                t,
+                node,
+                Event::CheckpointSkipped {
+                    step,
+                    generation: 1,
+                    rank,
+                    reason: "no space left on device".into(),
+                },
+            )
+        };
+        let ok = |evs: &[Record], kind: FaultKind| lost_work_check(&s, evs, &fired(kind)).ok;
+        assert!(!ok(&evs, FaultKind::SigstopWorker));
+        // Step 10 given up by two ranks counts once: 5 + 5 < 13.
+        evs.push(skipped(2900, "a", 10, 0));
+        evs.push(skipped(2900, "b", 10, 1));
+        assert!(!ok(&evs, FaultKind::SigstopWorker));
+        // A step given up outside the lost range excuses nothing.
+        let mut outside = evs.clone();
+        outside.push(skipped(3100, "a", 15, 0));
+        assert!(!ok(&outside, FaultKind::SigstopWorker));
+        // Steps 5 and 10 given up: 5 + 2 x 5 >= 13.
+        evs.push(skipped(2500, "a", 5, 0));
+        assert!(ok(&evs, FaultKind::SigstopWorker));
+        assert!(ok(&evs, FaultKind::SigkillAgent));
+        // A preemption still loses nothing, whatever was given up before.
+        let mut pre = evs.clone();
+        pre.push(joined(500, "node2", false));
+        assert!(!ok(&pre, FaultKind::SigtermAgent));
     }
 
     #[test]
