@@ -2,6 +2,7 @@
 //! real services started by the `services` crate: etcd, moto (S3), Azurite, fake-gcs-server,
 //! and PyTorch in the worker environment.
 
+mod kubernetes;
 mod readme;
 mod real_services;
 #[cfg(feature = "tch")]

@@ -79,11 +79,17 @@ fn free_port() -> u16 {
 }
 
 fn run_id() -> String {
-    format!("{}", std::process::id() as u64 * 1_000_003 + free_port() as u64)
+    format!(
+        "{}",
+        std::process::id() as u64 * 1_000_003 + free_port() as u64
+    )
 }
 
 fn assert_ok(status: ExitStatus, out: &str, err: &str) {
-    assert!(status.success(), "exit {status:?}\nstdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        status.success(),
+        "exit {status:?}\nstdout:\n{out}\nstderr:\n{err}"
+    );
 }
 
 fn assert_usage_error(status: ExitStatus, err: &str, needles: &[&str]) {
