@@ -372,3 +372,44 @@ fn an_etcd_already_answering_at_the_c10d_endpoint_is_used_and_none_is_started() 
     let v: Value = serde_json::from_slice(&status.stdout).unwrap();
     assert_eq!(v["job_state"]["outcome"], "succeeded", "{v}");
 }
+
+#[test]
+fn a_sigkilled_serving_agent_takes_its_etcd_with_it() {
+    let _guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    let ev = tmp.path().join("events.jsonl");
+    let endpoint = format!("127.0.0.1:{}", services::free_port().unwrap());
+    let mut c = agent(tmp.path());
+    c.args([
+        "--nnodes",
+        "1:2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--rdzv-id",
+        "c10d-killed",
+        "--rdzv-conf",
+        "last_call_timeout=0.5",
+        "--no-python",
+    ])
+    .arg("--events-file")
+    .arg(&ev)
+    .arg("--checkpoint-url")
+    .arg(tmp.path().join("bucket"))
+    .args(["--", "sh", "-c", "sleep 60"]);
+    let node = Node::spawn("k", c);
+    let served = wait_event(&ev, "the agent to serve", |e| is(e, "rdzv_served"));
+    wait_event(&ev, "its workers", |e| is(e, "workers_started"));
+    let pid = served["pid"].as_i64().unwrap() as i32;
+    assert!(alive(pid), "etcd {pid} serves while its agent runs");
+    signal(&node.child, libc::SIGKILL);
+    let (code, _, _) = node.finish(LONG);
+    assert_eq!(code, -1, "killed");
+    // PR_SET_PDEATHSIG: the kernel kills it with the agent; nothing in the test does.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while alive(pid) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_gone(&served, &endpoint);
+}
