@@ -236,7 +236,7 @@ fn survivors_of_a_c10d_job_train_on_to_the_end_when_a_peer_is_sigkilled() {
     let ev = tmp.path().join("events.jsonl");
     let endpoint = format!("127.0.0.1:{}", services::free_port().unwrap());
     let train = ["--steps", "40", "--step-sleep", "0.1"];
-    let conf = "lease_ttl_ms=2000,last_call_timeout=0.5";
+    let conf = "lease_ttl_ms=3000,last_call_timeout=0.5";
     let mk =
         |node: &str, conf: &str| c10d_agent(tmp.path(), &endpoint, node, "2:3", "1", conf, &train);
     // a serves (the first on the host); b is told it does not; c finds the rendezvous answering.
@@ -256,16 +256,26 @@ fn survivors_of_a_c10d_job_train_on_to_the_end_when_a_peer_is_sigkilled() {
     assert_eq!(code_c, -1, "c was killed");
     let g2 = wait_event(&ev, "the survivors' generation", |e| {
         is(e, "generation")
-            && e["node"] == "a"
             && e["world_size"] == 2
             && e["generation"].as_u64() > g1["generation"].as_u64()
     });
-    assert_eq!(g2["members"], serde_json::json!(["a", "b"]), "{g2}");
+    let mut members: Vec<&str> = g2["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    members.sort_unstable();
+    assert_eq!(members, ["a", "b"], "{g2}");
     let (code_b, out_b, err_b) = b.finish(LONG);
     let (code_a, out_a, err_a) = a.finish(LONG);
-    assert_eq!(code_a, 0, "{}: {out_a}\n{err_a}", "a");
+    assert_eq!(code_a, 0, "a: {out_a}\n{err_a}");
     assert_eq!(code_b, 0, "b: {out_b}\n{err_b}");
-    assert!(out_a.contains("done step 40 "), "{out_a}");
+    // Rank 0 prints it, on a unless a lease lapsed under load and the ranks moved.
+    assert!(
+        format!("{out_a}{out_b}").contains("done step 40 "),
+        "{out_a}\n{out_b}"
+    );
     assert_gone(&the_served(&ev), &endpoint);
 }
 
