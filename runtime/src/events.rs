@@ -6,6 +6,7 @@
 //!
 //! | event | fields |
 //! |---|---|
+//! | `rdzv_served` | `endpoint` (the c10d rendezvous, `HOST:PORT`), `listen` (the client URL its etcd listens on), `pid` (etcd's): this node serves the rendezvous |
 //! | `joined` | `addr`, `rejoin` (`true`, only when the node joined again after a fence) |
 //! | `generation` | `generation`, `world_size`, `node_rank`, `rank_offset`, `members`, `lr_scale`, `lr`, `batch_size`, `global_batch`, `grad_accum_steps`, `resume_step`, `prev_last_step` (the highest step this node's workers reported before) |
 //! | `workers_started` | `generation`, `restart_count` |
@@ -50,6 +51,12 @@ pub enum DrainReason {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
+    /// This node serves the job's rendezvous (`--rdzv-backend c10d`): an etcd it started.
+    RdzvServed {
+        endpoint: String,
+        listen: String,
+        pid: u32,
+    },
     /// The node joined the job (again, after a fence, with `rejoin`).
     Joined {
         addr: String,
@@ -132,6 +139,7 @@ impl Event {
     /// The `event` value of its line.
     pub fn name(&self) -> &'static str {
         match self {
+            Event::RdzvServed { .. } => "rdzv_served",
             Event::Joined { .. } => "joined",
             Event::Generation { .. } => "generation",
             Event::WorkersStarted { .. } => "workers_started",
@@ -231,6 +239,11 @@ mod tests {
     /// One of each variant, every optional value set.
     fn examples() -> Vec<Event> {
         vec![
+            Event::RdzvServed {
+                endpoint: "trainer-0:29400".into(),
+                listen: "http://0.0.0.0:29400".into(),
+                pid: 4242,
+            },
             Event::Joined {
                 addr: "10.0.0.1".into(),
                 rejoin: true,

@@ -89,9 +89,10 @@ pub fn scaling_config(cli: &Cli, nproc: u32) -> elastic::ScalingConfig {
 /// `join_policy` (`immediate`, `after_commit`, `waiting:K`), `below_min_timeout_ms`,
 /// `fence_margin_ms`, `request_timeout_ms`; torchrun's `join_timeout` and `timeout` (seconds:
 /// how long the job may stay below `min`) and `last_call_timeout` (seconds: the settle
-/// window) are honoured too, and its `read_timeout`, `keep_alive_interval`,
-/// `keep_alive_max_attempt`, `is_host` are accepted and ignored. How to reach etcd (`protocol`,
-/// `cacert`, `cert`, `key`, and the user from the environment) is [`etcd_connect`]'s.
+/// window) are honoured too, and its `keep_alive_interval` and `keep_alive_max_attempt` are
+/// accepted and ignored; `is_host` and `read_timeout` are c10d's ([`c10d_config`]). How to reach
+/// etcd (`protocol`, `cacert`, `cert`, `key`, and the user from the environment) is
+/// [`etcd_connect`]'s.
 pub fn rendezvous_config(
     cli: &Cli,
     node_id: &str,
@@ -99,7 +100,12 @@ pub fn rendezvous_config(
     scaling: &elastic::ScalingConfig,
 ) -> Result<RendezvousConfig> {
     scaling.validate().map_err(|e| usage(e.to_string()))?;
-    let endpoints = split_endpoints(&cli.rdzv_endpoint);
+    // c10d's one endpoint, with torchrun's default port when it has none.
+    let endpoint_list = match backend_of(cli) {
+        RdzvBackend::C10d => c10d_config(cli)?.endpoint.host_port(),
+        _ => cli.rdzv_endpoint.clone(),
+    };
+    let endpoints = split_endpoints(&endpoint_list);
     let addr = cli.local_addr.clone().unwrap_or_else(default_local_addr);
     let mut cfg = RendezvousConfig::new(
         endpoints,
@@ -112,7 +118,7 @@ pub fn rendezvous_config(
     );
     cfg.nproc = nproc;
     cfg.master_port = cli.master_port;
-    cfg.connect = etcd_connect(&cli.rdzv_endpoint, &cli.rdzv_conf)?;
+    cfg.connect = etcd_connect(&endpoint_list, &cli.rdzv_conf)?;
     for (k, v) in &cli.rdzv_conf.0 {
         let ms = |v: &str| -> Result<u64> {
             v.parse::<u64>()
@@ -133,6 +139,13 @@ pub fn rendezvous_config(
             "join_timeout" | "timeout" => cfg.below_min_timeout_ms = secs(v)?,
             "fence_margin_ms" => cfg.fence_margin_ms = Some(ms(v)?),
             k if RDZV_CONF_CONNECT_KEYS.contains(&k) => {}
+            // c10d's, read by `c10d_config`; checked with any backend.
+            "is_host" => {
+                parse_is_host(v)?;
+            }
+            "read_timeout" => {
+                read_timeout_ms(v)?;
+            }
             "join_policy" => {
                 cfg.join_policy = match v.as_str() {
                     "immediate" => elastic::JoinPolicy::Immediate,
@@ -176,14 +189,74 @@ pub const RDZV_CONF_KEYS: &[&str] = &[
     "cacert",
     "cert",
     "key",
+    "is_host",
+    "read_timeout",
 ];
 /// torchrun's `--rdzv-conf` keys that are accepted and ignored.
-pub const RDZV_CONF_IGNORED_KEYS: &[&str] = &[
-    "read_timeout",
-    "keep_alive_interval",
-    "keep_alive_max_attempt",
-    "is_host",
-];
+pub const RDZV_CONF_IGNORED_KEYS: &[&str] = &["keep_alive_interval", "keep_alive_max_attempt"];
+
+/// `--rdzv-backend c10d`'s settings: its one endpoint (`HOST[:PORT]`, torchrun's port 29400
+/// when it has none), whether this node serves the rendezvous (`--rdzv-conf is_host`, torchrun's
+/// booleans; else the endpoint's host decides), and how long a node waits for it to answer
+/// (`read_timeout`, seconds; torchrun's default, 60). The served etcd speaks plain http, so
+/// the TLS keys are refused: an etcd with TLS is a cluster of one's own (`etcd-v3`).
+pub fn c10d_config(cli: &Cli) -> Result<super::rdzv_host::C10d> {
+    let given = cli.rdzv_endpoint.trim();
+    let endpoint = super::rdzv_host::Endpoint::parse(given).map_err(|e| {
+        usage(format!(
+            "--rdzv-endpoint {given} (--rdzv-backend c10d): {e}"
+        ))
+    })?;
+    let conf = &cli.rdzv_conf;
+    for k in ["protocol", "cacert", "cert", "key"] {
+        match conf.get(k) {
+            None | Some("") => {}
+            Some("http") if k == "protocol" => {}
+            Some(v) => {
+                return Err(usage(format!(
+                    "--rdzv-conf {k}={v}: --rdzv-backend c10d serves a plain-http etcd on the \
+                     endpoint's node; for etcd with TLS, run an etcd cluster and use \
+                     --rdzv-backend etcd-v3 --rdzv-endpoint HOST:PORT"
+                )));
+            }
+        }
+    }
+    let is_host = conf.get("is_host").map(parse_is_host).transpose()?;
+    let wait_ms = conf
+        .get("read_timeout")
+        .map(read_timeout_ms)
+        .transpose()?
+        .unwrap_or(super::rdzv_host::ENDPOINT_WAIT_MS_DEFAULT);
+    Ok(super::rdzv_host::C10d {
+        endpoint,
+        is_host,
+        wait_ms,
+    })
+}
+
+/// `is_host`, spelt as torchrun reads a boolean.
+fn parse_is_host(v: &str) -> Result<bool> {
+    match v.to_ascii_lowercase().as_str() {
+        "1" | "true" | "t" | "yes" | "y" => Ok(true),
+        "0" | "false" | "f" | "no" | "n" => Ok(false),
+        _ => Err(usage(format!(
+            "--rdzv-conf is_host={v}: use true or false (or 1, 0, yes, no)"
+        ))),
+    }
+}
+
+/// `read_timeout`, seconds above 0, in milliseconds.
+fn read_timeout_ms(v: &str) -> Result<u64> {
+    v.parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9)
+        .map(|s| ((s * 1000.0) as u64).max(1))
+        .ok_or_else(|| {
+            usage(format!(
+                "--rdzv-conf read_timeout={v}: not a number of seconds above 0"
+            ))
+        })
+}
 
 /// The usage error for an `--rdzv-conf` key nobody reads.
 pub fn unknown_rdzv_conf_key(key: &str) -> anyhow::Error {
@@ -814,6 +887,87 @@ mod tests {
         assert!(e.contains("--rdzv-endpoint") && e.contains("c10d"), "{e}");
         let e = mode(&["--nnodes", "1:2", "--rdzv-backend", "c10d", "x.py"]).unwrap_err();
         assert!(e.contains("c10d needs --rdzv-endpoint"), "{e}");
+    }
+
+    #[test]
+    fn c10d_has_torchrun_port_is_host_and_read_timeout_and_refuses_tls() {
+        let rdzv = |a: &[&str]| {
+            let c = cli(a);
+            rendezvous_config(&c, "n", 1, &scaling_config(&c, 1)).map_err(|e| {
+                assert!(e.downcast_ref::<UsageError>().is_some(), "{e:#}");
+                e.to_string()
+            })
+        };
+        let c10d = |ep: &str, conf: &str| {
+            let c = cli(&[
+                "--nnodes=1:2",
+                "--rdzv-backend=c10d",
+                "--rdzv-endpoint",
+                ep,
+                "--rdzv-conf",
+                conf,
+                "x.py",
+            ]);
+            c10d_config(&c).map_err(|e| e.to_string())
+        };
+        // The port defaults to torchrun's 29400 under c10d, and the clients dial that.
+        let cfg = rdzv(&[
+            "--nnodes=1:2",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=h",
+            "x.py",
+        ]);
+        assert_eq!(cfg.unwrap().connect.endpoints, ["h:29400"]);
+        let c = c10d("h", "").unwrap();
+        assert_eq!(
+            (c.endpoint.host_port(), c.is_host),
+            ("h:29400".into(), None)
+        );
+        assert_eq!(c.wait_ms, super::super::rdzv_host::ENDPOINT_WAIT_MS_DEFAULT);
+        // etcd-v3 keeps the endpoints as given.
+        let cfg = rdzv(&["--nnodes=1:2", "--rdzv-endpoint=h1,h2:5", "x.py"]).unwrap();
+        assert_eq!(cfg.connect.endpoints, ["h1", "h2:5"]);
+        for (v, want) in [
+            ("true", true),
+            ("1", true),
+            ("Y", true),
+            ("no", false),
+            ("F", false),
+        ] {
+            let c = c10d("h:1", &format!("is_host={v}")).unwrap();
+            assert_eq!(c.is_host, Some(want), "{v}");
+        }
+        assert_eq!(c10d("h:1", "read_timeout=2.5").unwrap().wait_ms, 2500);
+        assert!(c10d("h:1", "protocol=http").is_ok());
+        for (ep, conf, needle) in [
+            ("h:1", "is_host=maybe", "is_host=maybe"),
+            ("h:1", "read_timeout=0", "read_timeout=0"),
+            ("h:1", "protocol=https", "etcd-v3"),
+            ("h:1", "cacert=/ca.pem", "cacert=/ca.pem"),
+            ("a:1,b:1", "", "one endpoint"),
+            ("h:99999", "", "--rdzv-endpoint h:99999"),
+        ] {
+            let e = c10d(ep, conf).unwrap_err();
+            assert!(e.contains(needle), "{ep} {conf}: {e}");
+        }
+        // The c10d keys are known to every backend, and checked there too.
+        let e = rdzv(&[
+            "--nnodes=1:2",
+            "--rdzv-endpoint=h:1",
+            "--rdzv-conf=is_host=2",
+            "x.py",
+        ])
+        .unwrap_err();
+        assert!(e.contains("is_host=2"), "{e}");
+        assert!(
+            rdzv(&[
+                "--nnodes=1:2",
+                "--rdzv-endpoint=h:1",
+                "--rdzv-conf=is_host=1,read_timeout=3",
+                "x.py"
+            ])
+            .is_ok()
+        );
     }
 
     #[test]

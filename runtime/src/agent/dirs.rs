@@ -258,6 +258,20 @@ impl RunDir {
             .with_context(|| format!("create {}", path.display()))?;
         Ok(RunDir { path })
     }
+
+    /// Makes `<run dir>/<name>` (0700) for something the agent runs (the etcd it serves for
+    /// `--rdzv-backend c10d` keeps its data there). mkdir does not follow a symlink in the last
+    /// component, and one already there is refused: the directory is new and this agent's.
+    pub(super) fn private_dir(&self, name: &str) -> Result<PathBuf> {
+        use std::os::unix::fs::DirBuilderExt;
+        let dir = self.path.join(name);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .with_context(|| format!("create {}", dir.display()))?;
+        check_own_dir(&dir)?;
+        Ok(dir)
+    }
 }
 
 impl RunDir {
@@ -468,6 +482,29 @@ mod tests {
         assert!(std::fs::symlink_metadata(staging.join("step-8")).is_ok());
         assert!(staging.join("step-7/rank-0").is_dir());
         assert!(v.join("sentinel").exists() && v.join("step-9").is_dir());
+    }
+
+    #[test]
+    fn private_dirs_in_the_run_dir_are_new_and_never_through_a_symlink() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = RunDir {
+            path: tmp.path().join("run"),
+        };
+        std::fs::create_dir(&run.path).unwrap();
+        let d = run.private_dir("rdzv").unwrap();
+        assert_eq!(mode(&d), 0o700);
+        assert!(run.private_dir("rdzv").is_err(), "not one found there");
+        let v = victim(tmp.path());
+        std::os::unix::fs::symlink(&v, run.path.join("planted")).unwrap();
+        let e = format!("{:#}", run.private_dir("planted").unwrap_err());
+        assert!(e.contains("planted"), "{e}");
+        assert!(v.join("sentinel").exists());
+        drop(run);
+        assert!(!tmp.path().join("run").exists());
+        assert!(
+            v.join("sentinel").exists(),
+            "removal does not follow the link"
+        );
     }
 
     #[test]

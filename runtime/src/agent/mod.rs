@@ -57,6 +57,7 @@ mod dirs;
 mod drain;
 mod group;
 mod membership;
+mod rdzv_host;
 mod start;
 
 use std::ops::ControlFlow;
@@ -174,6 +175,9 @@ struct Services {
     server: tokio::task::JoinHandle<()>,
     metrics_server: Option<tokio::task::JoinHandle<()>>,
     poller: Option<tokio::task::JoinHandle<()>>,
+    /// The etcd this agent serves (`--rdzv-backend c10d`); before `run_dir`, which holds its
+    /// data, so that it goes first when dropped too.
+    rdzv_host: Option<rdzv_host::RdzvHost>,
     run_dir: RunDir,
     staging: Staging,
 }
@@ -194,6 +198,9 @@ impl Services {
         self.stop_tasks.cancel();
         if let Some(p) = self.poller {
             let _ = tokio::time::timeout(Duration::from_millis(OUTPUT_FLUSH_MS), p).await;
+        }
+        if let Some(h) = self.rdzv_host {
+            h.stop().await;
         }
         drop(self.run_dir);
         drop(self.staging);

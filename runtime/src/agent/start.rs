@@ -1,6 +1,7 @@
 //! Starting the agent: every check a user can fail comes before anything is created; then the
 //! run and staging directories, the store, the worker socket, the metrics server, the notice
-//! poller, and the node's first membership.
+//! poller, the rendezvous this node serves (`--rdzv-backend c10d`, on the endpoint's host), and
+//! the node's first membership.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +11,9 @@ use checkpoint::CancellationToken;
 use tokio::sync::{mpsc, watch};
 
 use super::committer::Committer;
-use super::config::{Mode, free_port, rendezvous_config, scaling_config, usage, worker_argv};
+use super::config::{
+    Mode, c10d_config, free_port, rendezvous_config, scaling_config, usage, worker_argv,
+};
 use super::dirs::{RunDir, Staging};
 use super::membership::{EtcdMember, Membership, fenced_metrics};
 use super::{Agent, Node, RESTORE_DIR, STOP_GRACE_MS, Services};
@@ -38,6 +41,10 @@ pub(super) async fn start(
     let argv = worker_argv(&cli)?;
     let rdzv_cfg = match mode {
         Mode::Etcd { .. } => Some(rendezvous_config(&cli, &node_id, nproc, &scaling_cfg)?),
+        _ => None,
+    };
+    let c10d = match mode {
+        Mode::Etcd { serve: true } => Some(c10d_config(&cli)?),
         _ => None,
     };
     let url = cli
@@ -153,6 +160,15 @@ pub(super) async fn start(
     if let Some(step) = bucket_latest {
         tracing::info!(step, url = %sink.url(), "newest committed step in the checkpoint store");
     }
+    // c10d: the rendezvous answers at the endpoint before anyone joins it, served from here
+    // when this is its host. Forked from this (the main) thread, so it dies with the agent.
+    let rdzv_host = match (&c10d, &rdzv_cfg) {
+        (Some(c), Some(cfg)) => {
+            super::rdzv_host::prepare(c, &cfg.connect, &cfg.job_id, &run_dir, &cli.python, &events)
+                .await?
+        }
+        _ => None,
+    };
     let membership = match mode {
         Mode::Standalone | Mode::Static => {
             // Static with an endpoint: torchrun's master is the endpoint.
@@ -238,6 +254,7 @@ pub(super) async fn start(
         server,
         metrics_server,
         poller,
+        rdzv_host,
         run_dir,
         staging: staging_guard,
     };
