@@ -150,7 +150,10 @@ impl Logs {
 
     /// The run folder, once made.
     pub fn run_dir(&self) -> Option<PathBuf> {
-        self.run_dir.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.run_dir
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Lays out the next worker group of `nproc` workers, whose local rank 0 has global rank
@@ -165,15 +168,16 @@ impl Logs {
         } else {
             None
         };
-        let filtered = |name: &str, filters: &Filters| -> Result<Option<(Arc<File>, Filters)>, String> {
-            match &dir {
-                Some(d) if !filters.0.is_empty() => {
-                    let p = d.join(name);
-                    Ok(Some((Arc::new(create_file(&p)?), filters.clone())))
+        let filtered =
+            |name: &str, filters: &Filters| -> Result<Option<(Arc<File>, Filters)>, String> {
+                match &dir {
+                    Some(d) if !filters.0.is_empty() => {
+                        let p = d.join(name);
+                        Ok(Some((Arc::new(create_file(&p)?), filters.clone())))
+                    }
+                    _ => Ok(None),
                 }
-                _ => Ok(None),
-            }
-        };
+            };
         let filtered_out = filtered("filtered_stdout.log", &self.dup_stdout)?;
         let filtered_err = filtered("filtered_stderr.log", &self.dup_stderr)?;
         let mut workers = Vec::with_capacity(nproc as usize);
@@ -216,8 +220,18 @@ impl Logs {
                 }
             };
             workers.push(WorkerLogs {
-                stdout: dest(redirect.has_out(), tee.has_out(), "stdout.log", &filtered_out)?,
-                stderr: dest(redirect.has_err(), tee.has_err(), "stderr.log", &filtered_err)?,
+                stdout: dest(
+                    redirect.has_out(),
+                    tee.has_out(),
+                    "stdout.log",
+                    &filtered_out,
+                )?,
+                stderr: dest(
+                    redirect.has_err(),
+                    tee.has_err(),
+                    "stderr.log",
+                    &filtered_err,
+                )?,
                 error_file: Some(rank_dir.join("error.json")),
             });
         }
@@ -416,10 +430,7 @@ mod tests {
     fn templates_substitute_like_python_safe_substitute() {
         let v = [("rank", "3"), ("local_rank", "1"), ("role_name", "trainer")];
         assert_eq!(safe_substitute("[rank ${rank}] ", &v), "[rank 3] ");
-        assert_eq!(
-            safe_substitute("$role_name-$local_rank:", &v),
-            "trainer-1:"
-        );
+        assert_eq!(safe_substitute("$role_name-$local_rank:", &v), "trainer-1:");
         assert_eq!(
             safe_substitute("$$ ${nope} $nope ${rank $ x$", &v),
             "$ ${nope} $nope ${rank $ x$"
@@ -535,7 +546,10 @@ mod tests {
                 ..LogsConfig::default()
             })
             .unwrap_err();
-            assert!(e.contains(&p.display().to_string()) && e.contains(what), "{e}");
+            assert!(
+                e.contains(&p.display().to_string()) && e.contains(what),
+                "{e}"
+            );
         }
     }
 }

@@ -260,7 +260,13 @@ mod tests {
         let t = Tail::default();
         let mut input = vec![b'a'; LINE_BYTES_MAX + 10];
         input.extend_from_slice(b"\nprogress 1\rprogress 2\nlast line without newline");
-        pump(&input[..], tee(tmp.path(), &["progress"]), Stream::Stderr, Some(t.clone())).await;
+        pump(
+            &input[..],
+            tee(tmp.path(), &["progress"]),
+            Stream::Stderr,
+            Some(t.clone()),
+        )
+        .await;
         flush(Duration::from_secs(5)).await;
         let lines = t.lines();
         assert_eq!(
@@ -290,7 +296,11 @@ mod tests {
         let lines = Tail::of_file(&p).lines();
         assert_eq!(lines.len(), TAIL_LINES_MAX);
         assert_eq!(lines.last().unwrap(), "line 29");
-        assert!(Tail::of_file(&tmp.path().join("missing")).lines().is_empty());
+        assert!(
+            Tail::of_file(&tmp.path().join("missing"))
+                .lines()
+                .is_empty()
+        );
         let link = tmp.path().join("link");
         std::os::unix::fs::symlink(&p, &link).unwrap();
         assert!(Tail::of_file(&link).lines().is_empty());

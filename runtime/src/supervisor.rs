@@ -241,7 +241,8 @@ impl WorkerFailure {
             (None, Some(sig)) => format!(
                 "Signal {sig} ({}) received by PID {}",
                 signal_name(sig),
-                self.pid.map_or(NOT_AVAILABLE.to_string(), |p| p.to_string())
+                self.pid
+                    .map_or(NOT_AVAILABLE.to_string(), |p| p.to_string())
             ),
             (None, None) => NO_TRACEBACK.to_string(),
         };
@@ -250,7 +251,8 @@ impl WorkerFailure {
             local_time(self.time),
             self.rank,
             self.local_rank,
-            self.pid.map_or(NOT_AVAILABLE.to_string(), |p| p.to_string()),
+            self.pid
+                .map_or(NOT_AVAILABLE.to_string(), |p| p.to_string()),
             self.error_file
                 .as_ref()
                 .map_or(NOT_AVAILABLE.to_string(), |p| p.display().to_string()),
@@ -367,9 +369,8 @@ pub async fn run(
     mut commands: mpsc::Receiver<Command>,
 ) -> Outcome {
     let restarts = restart_count;
-    let mut drain_deadline: Option<Instant> = None;
     let span = tracing::info_span!("group", restarts);
-    let (end, group) = match run_group(
+    let (end, group, drain_deadline) = match run_group(
         &cfg,
         &spec,
         &view,
@@ -377,13 +378,12 @@ pub async fn run(
         &launcher,
         &state,
         &mut commands,
-        &mut drain_deadline,
     )
     .instrument(span)
     .await
     {
         Ok(r) => r,
-        Err(failure) => return Outcome::Failed(failure),
+        Err(failure) => return Outcome::Failed(*failure),
     };
     match end {
         GroupEnd::AllSucceeded if drain_deadline.is_some() => Outcome::Drained { clean: true },
@@ -417,7 +417,7 @@ pub async fn run(
 }
 
 /// Starts one worker group and watches it until it ends; the group is stopped and reaped
-/// before this returns.
+/// before this returns, with the drain deadline if a drain began.
 async fn run_group(
     cfg: &SupervisorConfig,
     spec: &WorkerSpec,
@@ -426,8 +426,8 @@ async fn run_group(
     launcher: &Launcher,
     state: &AgentState,
     commands: &mut mpsc::Receiver<Command>,
-    drain_deadline: &mut Option<Instant>,
-) -> Result<(GroupEnd, WorkerGroup), WorkerFailure> {
+) -> Result<(GroupEnd, WorkerGroup, Option<Instant>), Box<WorkerFailure>> {
+    let mut drain_deadline: Option<Instant> = None;
     let ranks = view.rank_offset..view.rank_offset + spec.nproc;
     state.begin_group(view.generation, view.world_size, ranks);
     tracing::info!(
@@ -468,7 +468,7 @@ async fn run_group(
                 Some(Command::Signal(sig)) => group.signal(sig),
                 Some(Command::Drain { deadline, sigterm_now }) => {
                     tracing::info!(sigterm_now, grace_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64, "draining workers");
-                    *drain_deadline = Some(deadline);
+                    drain_deadline = Some(deadline);
                     if sigterm_now {
                         group.signal(libc::SIGTERM);
                     }
@@ -479,7 +479,7 @@ async fn run_group(
                 if drain_deadline.is_some_and(|d| now >= d) {
                     break GroupEnd::DrainTimedOut;
                 }
-                if let (Some(limit), None) = (cfg.hang_timeout, *drain_deadline) {
+                if let (Some(limit), None) = (cfg.hang_timeout, drain_deadline) {
                     // Start-up (imports, rendezvous, restore) gets its own allowance.
                     let (last, limit) = match state.last_progress() {
                         Some(p) => (p.max(started), limit),
@@ -493,7 +493,7 @@ async fn run_group(
         }
     };
     group.stop(cfg.stop_grace).await;
-    Ok((end, group))
+    Ok((end, group, drain_deadline))
 }
 
 enum GroupEnd {
@@ -533,7 +533,7 @@ impl WorkerGroup {
         view: &GenerationView,
         restarts: u32,
         launcher: &Launcher,
-    ) -> Result<Self, WorkerFailure> {
+    ) -> Result<Self, Box<WorkerFailure>> {
         let nproc = spec.nproc as usize;
         let (tx, exits) = mpsc::channel(nproc.max(1));
         let mut group = WorkerGroup {
@@ -548,16 +548,26 @@ impl WorkerGroup {
         let attempt = launcher
             .logs
             .attempt(spec.nproc, view.rank_offset)
-            .map_err(|e| WorkerFailure::new(view.rank_offset, 0, 1, e, restarts))?;
+            .map_err(|e| Box::new(WorkerFailure::new(view.rank_offset, 0, 1, e, restarts)))?;
         for (local_rank, logs) in (0..spec.nproc).zip(attempt.workers) {
             let spawn_failure = |message: String| {
-                WorkerFailure::new(view.rank_offset + local_rank, local_rank, 1, message, restarts)
+                Box::new(WorkerFailure::new(
+                    view.rank_offset + local_rank,
+                    local_rank,
+                    1,
+                    message,
+                    restarts,
+                ))
             };
             let error_file = match logs.error_file {
                 Some(f) => f,
                 None => {
-                    let f =
-                        worker_env::error_file(&spec.run_dir, view.generation, restarts, local_rank);
+                    let f = worker_env::error_file(
+                        &spec.run_dir,
+                        view.generation,
+                        restarts,
+                        local_rank,
+                    );
                     if let Some(dir) = f.parent() {
                         std::fs::create_dir_all(dir)
                             .map_err(|e| spawn_failure(format!("create {}: {e}", dir.display())))?;
@@ -1052,8 +1062,16 @@ mod tests {
         let f = fixture();
         let script = r#"echo noise >&2; printf '{"message":{"message":"RuntimeError: from file","extraInfo":{"py_callstack":"","timestamp":"0"}}}' > "$TORCHELASTIC_ERROR_FILE"; exit 3"#;
         let (_tx, rx) = mpsc::channel(4);
-        let Outcome::Failed(fail) =
-            run(cfg(script), spec(&f, 1, 0), view(1), 0, teed(&f), f.state.clone(), rx).await
+        let Outcome::Failed(fail) = run(
+            cfg(script),
+            spec(&f, 1, 0),
+            view(1),
+            0,
+            teed(&f),
+            f.state.clone(),
+            rx,
+        )
+        .await
         else {
             panic!()
         };
@@ -1062,15 +1080,27 @@ mod tests {
         assert_eq!(fail.traceback.as_deref(), Some("RuntimeError: from file"));
         assert_eq!(fail.time, SystemTime::UNIX_EPOCH);
         let file = fail.error_file.unwrap();
-        assert!(file.ends_with("attempt_0/0/error.json"), "{}", file.display());
+        assert!(
+            file.ends_with("attempt_0/0/error.json"),
+            "{}",
+            file.display()
+        );
     }
 
     #[tokio::test]
     async fn an_inherited_stderr_is_not_in_the_report_and_a_signal_is() {
         let f = fixture();
         let (_tx, rx) = mpsc::channel(4);
-        let Outcome::Failed(fail) =
-            run(cfg("exit 4"), spec(&f, 1, 0), view(1), 0, inherit(), f.state.clone(), rx).await
+        let Outcome::Failed(fail) = run(
+            cfg("exit 4"),
+            spec(&f, 1, 0),
+            view(1),
+            0,
+            inherit(),
+            f.state.clone(),
+            rx,
+        )
+        .await
         else {
             panic!()
         };
@@ -1129,7 +1159,10 @@ mod tests {
         };
         assert_eq!(fail.message, "worker said no");
         let dir = launcher.logs.run_dir().unwrap().join("attempt_0/0");
-        assert_eq!(std::fs::read_to_string(dir.join("stdout.log")).unwrap(), "out\n");
+        assert_eq!(
+            std::fs::read_to_string(dir.join("stdout.log")).unwrap(),
+            "out\n"
+        );
     }
 
     #[test]
@@ -1154,18 +1187,30 @@ mod tests {
         assert_eq!(lines[4], "Failures:");
         assert_eq!(lines[5], "[0]:");
         assert!(s.contains("  rank      : 0 (local_rank: 0)\n  exitcode  : -9 (pid: 41) (SIGKILL)\n  error_file: <N/A>\n  traceback : Signal 9 (SIGKILL) received by PID 41\n"), "{s}");
-        assert!(s.contains("Root Cause (first observed failure):\n[1]:\n"), "{s}");
+        assert!(
+            s.contains("Root Cause (first observed failure):\n[1]:\n"),
+            "{s}"
+        );
         assert!(s.contains("  host      : host-a\n  rank      : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 42)\n  error_file: /l/attempt_0/1/error.json\n  traceback : Traceback (most recent call last):\n    x\n  ValueError: v\n="), "{s}");
         let alone = WorkerFailure::new(3, 0, 2, String::new(), 0).summary("sh", "h");
-        assert!(alone.contains("Failures:\n  <NO_OTHER_FAILURES>\n"), "{alone}");
-        assert!(alone.contains(&format!("traceback : {NO_TRACEBACK}")), "{alone}");
+        assert!(
+            alone.contains("Failures:\n  <NO_OTHER_FAILURES>\n"),
+            "{alone}"
+        );
+        assert!(
+            alone.contains(&format!("traceback : {NO_TRACEBACK}")),
+            "{alone}"
+        );
         assert!(alone.contains("(pid: <N/A>)"), "{alone}");
     }
 
     #[test]
     fn stop_grace_is_the_flag_else_the_variable_else_the_default() {
         let d = Duration::from_secs(5);
-        assert_eq!(stop_grace(Some(7), Some("9"), d), Ok(Duration::from_secs(7)));
+        assert_eq!(
+            stop_grace(Some(7), Some("9"), d),
+            Ok(Duration::from_secs(7))
+        );
         assert_eq!(stop_grace(None, Some("9"), d), Ok(Duration::from_secs(9)));
         assert_eq!(stop_grace(None, None, d), Ok(d));
         assert_eq!(stop_grace(None, Some(""), d), Ok(d));
@@ -1178,8 +1223,14 @@ mod tests {
     #[test]
     fn the_entrypoint_is_named_as_torchrun_names_it() {
         let v = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(entrypoint_name(&v(&["/usr/bin/python3", "-u", "train.py", "--lr"])), "train.py");
-        assert_eq!(entrypoint_name(&v(&["python3", "-m", "pkg.main"])), "pkg.main");
+        assert_eq!(
+            entrypoint_name(&v(&["/usr/bin/python3", "-u", "train.py", "--lr"])),
+            "train.py"
+        );
+        assert_eq!(
+            entrypoint_name(&v(&["python3", "-m", "pkg.main"])),
+            "pkg.main"
+        );
         assert_eq!(entrypoint_name(&v(&["python", "-c", "code"])), "python");
         assert_eq!(entrypoint_name(&v(&["sh", "-c", "x"])), "sh");
     }
@@ -1191,7 +1242,16 @@ mod tests {
         c.hang_timeout = Some(Duration::from_millis(300));
         let (_tx, rx) = mpsc::channel(4);
         let t0 = Instant::now();
-        let Outcome::Failed(fail) = run(c, spec(&f, 2, 1), view(2), 1, inherit(), f.state.clone(), rx).await
+        let Outcome::Failed(fail) = run(
+            c,
+            spec(&f, 2, 1),
+            view(2),
+            1,
+            inherit(),
+            f.state.clone(),
+            rx,
+        )
+        .await
         else {
             panic!()
         };
@@ -1210,7 +1270,15 @@ mod tests {
         let (tx, rx) = mpsc::channel(4);
         let mut c = cfg("trap '' TERM; sleep 30 & wait; sleep 30");
         c.stop_grace = Duration::from_millis(200);
-        let sup = tokio::spawn(run(c, spec(&f, 2, 0), view(2), 0, inherit(), f.state.clone(), rx));
+        let sup = tokio::spawn(run(
+            c,
+            spec(&f, 2, 0),
+            view(2),
+            0,
+            inherit(),
+            f.state.clone(),
+            rx,
+        ));
         tokio::time::sleep(Duration::from_millis(200)).await;
         let t0 = Instant::now();
         tx.send(Command::Drain {

@@ -356,7 +356,10 @@ mod tests {
             ("ELASTIC_AGENT_SOCKET", "/tmp/er/agent.sock"),
             ("ELASTIC_NODE_ID", "node-b"),
             ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            ("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"),
+            (
+                "TORCHELASTIC_SIGNALS_TO_HANDLE",
+                "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+            ),
         ];
         for (k, v) in expect {
             assert_eq!(get(&env, k), Some(v), "{k}");
@@ -448,8 +451,14 @@ mod tests {
             cuda_visible_devices: Some("4, 6".into()),
         };
         let env = worker_env(&spec(), &view(), 1, 0, false, &l, file).unwrap();
-        assert_eq!(get(&env, "TORCHELASTIC_ERROR_FILE"), Some("/logs/attempt_3/1/error.json"));
-        assert_eq!(get(&env, "TORCHELASTIC_SIGNALS_TO_HANDLE"), Some("SIGTERM,SIGUSR1"));
+        assert_eq!(
+            get(&env, "TORCHELASTIC_ERROR_FILE"),
+            Some("/logs/attempt_3/1/error.json")
+        );
+        assert_eq!(
+            get(&env, "TORCHELASTIC_SIGNALS_TO_HANDLE"),
+            Some("SIGTERM,SIGUSR1")
+        );
         // Set by the agent's environment: inherited as it is.
         assert_eq!(get(&env, "TORCH_NCCL_ASYNC_ERROR_HANDLING"), None);
         assert_eq!(get(&env, "LOCAL_RANK"), Some("0"));

@@ -7,6 +7,8 @@
 mod agent;
 #[path = "suite/agent_decide.rs"]
 mod agent_decide;
+#[path = "suite/console.rs"]
+mod console;
 #[path = "suite/elastic.rs"]
 mod elastic;
 #[path = "suite/store_sink.rs"]

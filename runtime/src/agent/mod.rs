@@ -234,9 +234,7 @@ impl Agent {
                     generation.as_deref(),
                     self.last_step_reached,
                 );
-                let ended = self
-                    .run_group(&view, generation.as_ref(), launcher)
-                    .await?;
+                let ended = self.run_group(&view, generation.as_ref(), launcher).await?;
                 self.after_group(ended, &view, generation.as_ref()).await
             }
             .instrument(span)

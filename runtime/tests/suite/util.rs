@@ -47,7 +47,10 @@ pub fn agent(tmp: &Path) -> Command {
         .env("ELASTIC_LOG", "info")
         .env("PET_TEE", "3")
         .env("PET_LOG_DIR", tmp.join("logs"))
-        .env("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", RANK_PREFIX_TEMPLATE)
+        .env(
+            "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+            RANK_PREFIX_TEMPLATE,
+        )
         .current_dir(tmp);
     c
 }
