@@ -1,6 +1,7 @@
 //! The node agent: turns the command line into a worker spec, follows the job's membership,
 //! runs one worker group per generation through the supervisor, streams the workers'
-//! snapshots to the checkpoint store, and drains on SIGTERM, SIGINT or a preemption notice.
+//! snapshots to the checkpoint store, and drains on a handled signal (`--signals-to-handle`:
+//! SIGTERM, SIGINT, ...) or a preemption notice.
 //!
 //! # Membership
 //!
@@ -34,7 +35,8 @@
 //!
 //! # Signals and drains
 //!
-//! The first SIGTERM or SIGINT (or a preemption notice) starts a drain of `--preemption-grace`:
+//! The first handled signal (SIGTERM, SIGINT, any of `--signals-to-handle`) or a preemption
+//! notice starts a drain of `--preemption-grace`:
 //! in etcd mode the node first announces it (peers ask their workers to stop too), then
 //! `should_stop` turns true on the worker socket, workers agree on a step, save it and exit 0,
 //! the agent commits what they staged, reports the commit and leaves (revoking its lease, so
