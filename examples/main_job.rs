@@ -103,11 +103,15 @@ fn main() -> Result<()> {
         .arg(dir.join(format!("staging-{node}")))
         .arg("--events-file")
         .arg(&events)
+        // Workers' lines are read back by rank: teed, prefixed `[rank N] `, and kept in files.
+        .args(["--tee", "3", "--log-dir"])
+        .arg(dir.join(format!("logs/{node}.workers")))
         .arg("--")
         .arg(services::paths::python()?)
         .arg(repo.join("examples/ddp_train.py"))
         .args(["--steps", &steps.to_string(), "--step-sleep", "0.05"])
         .env("ELASTIC_LOG", "info")
+        .env("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank ${rank}] ")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(

@@ -27,7 +27,10 @@
 //!   and static runs decide with it here, etcd runs take the leader's decision from the
 //!   generation record.
 //! - [`supervisor`]: starts, watches and stops the workers of one node (process groups,
-//!   `PR_SET_PDEATHSIG`, hang watchdog); [`output`] prefixes their lines with the rank.
+//!   `PR_SET_PDEATHSIG`, hang watchdog, torchrun's root-cause summary of a failure); [`logs`]
+//!   says where each worker's stdout and stderr go (inherited by default; `--redirects`,
+//!   `--tee`, `--log-dir` in torchrun's layout), and [`output`] copies teed lines to their
+//!   files and, prefixed, to the console.
 //! - [`state`]: [`state::AgentState`], what the agent tells its workers and learned from them
 //!   (shared by the socket server, the supervisor, the committer and the agent loop), and the
 //!   handling of one worker request, checked against [`worker::protocol`].
@@ -53,6 +56,7 @@ pub mod agent_socket;
 pub mod cli;
 pub mod events;
 pub mod logging;
+pub mod logs;
 pub mod metrics;
 pub mod notice;
 pub mod output;

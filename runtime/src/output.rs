@@ -1,13 +1,18 @@
-//! Worker output: every line prefixed with `[rank N] `, line-buffered, bounded in length, and
-//! the last stderr lines kept for the error report.
+//! Teed worker output (`--tee`): every line to the worker's log file as it came, and to the
+//! agent's console with its prefix, line-buffered and bounded in length; the last stderr lines
+//! kept for the error report. Streams that are not teed never pass through the agent (see
+//! [`crate::logs`]); the tail of a redirected stderr is read back from its file.
 
 use std::collections::VecDeque;
-use std::io::Write;
+use std::io::{Read, Seek, Write};
+use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, BufReader};
 use tokio::sync::{mpsc, oneshot};
+
+use crate::logs::Tee;
 
 /// Longest line passed through in one piece; longer lines are split (and the rest of the line
 /// follows on continuation lines with the same prefix).
@@ -18,15 +23,25 @@ pub const TAIL_LINES_MAX: usize = 20;
 const TAIL_LINE_BYTES_MAX: usize = 1024;
 /// Lines queued for the writer thread (at most this many x [`LINE_BYTES_MAX`] bytes).
 const QUEUE_LINES_MAX: usize = 256;
+/// How much of the end of a redirected stderr file is read back for the tail.
+const FILE_TAIL_BYTES_MAX: u64 = 64 * 1024;
 
 enum Out {
-    Line(Stream, Vec<u8>),
+    /// One line (or a piece of a long one) of a teed stream: `bytes` exactly as read;
+    /// `filtered` when it also goes to the attempt's filtered file.
+    Line {
+        to: Arc<Tee>,
+        stream: Stream,
+        bytes: Vec<u8>,
+        filtered: bool,
+    },
     Flush(oneshot::Sender<()>),
 }
 
-/// The writer thread's queue. Blocking writes to the agent's stdout and stderr happen on that
-/// thread: a reader of our output that stalls fills the queue, then the pumps, then the
-/// workers' pipes, but never blocks the agent's event loop (signals, drains, the socket).
+/// The writer thread's queue. Blocking writes to the agent's stdout and stderr and to the log
+/// files happen on that thread: a reader of our output (or a disk) that stalls fills the
+/// queue, then the pumps, then the workers' pipes, but never blocks the agent's event loop
+/// (signals, drains, the socket).
 fn writer() -> &'static mpsc::Sender<Out> {
     static WRITER: OnceLock<mpsc::Sender<Out>> = OnceLock::new();
     WRITER.get_or_init(|| {
@@ -36,13 +51,12 @@ fn writer() -> &'static mpsc::Sender<Out> {
             .spawn(move || {
                 while let Some(msg) = rx.blocking_recv() {
                     match msg {
-                        // A closed stdout/stderr is ignored: workers must keep running regardless.
-                        Out::Line(Stream::Stdout, line) => {
-                            drop(std::io::stdout().lock().write_all(&line))
-                        }
-                        Out::Line(Stream::Stderr, line) => {
-                            drop(std::io::stderr().lock().write_all(&line))
-                        }
+                        Out::Line {
+                            to,
+                            stream,
+                            bytes,
+                            filtered,
+                        } => write_line(&to, stream, &bytes, filtered),
                         Out::Flush(done) => drop(done.send(())),
                     }
                 }
@@ -53,6 +67,33 @@ fn writer() -> &'static mpsc::Sender<Out> {
         }
         tx
     })
+}
+
+/// Writes one teed line to its file as it came, and with its prefix (and a newline when it
+/// had none) to the console and, when `filtered`, the filtered file.
+fn write_line(to: &Tee, stream: Stream, bytes: &[u8], filtered: bool) {
+    let mut line = Vec::with_capacity(to.prefix.len() + bytes.len() + 1);
+    line.extend_from_slice(to.prefix.as_bytes());
+    line.extend_from_slice(bytes);
+    if line.last() != Some(&b'\n') {
+        line.push(b'\n');
+    }
+    let mut failed = (&to.file).write_all(bytes).err();
+    if filtered && let Some((f, _)) = &to.filtered {
+        failed = failed.or((&**f).write_all(&line).err());
+    }
+    if let Some(e) = failed
+        && !to
+            .write_failed
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        tracing::warn!(file = %to.path.display(), error = %e, "cannot write a worker's log file");
+    }
+    // A closed stdout/stderr is ignored: workers must keep running regardless.
+    let _ = match stream {
+        Stream::Stdout => std::io::stdout().lock().write_all(&line),
+        Stream::Stderr => std::io::stderr().lock().write_all(&line),
+    };
 }
 
 /// Waits until every line queued so far is written, for at most `limit`.
@@ -83,6 +124,18 @@ impl Tail {
         q.push_back(line[..end].to_string());
     }
 
+    /// The last lines of the file at `path` (a redirected stderr), read from its end.
+    pub fn of_file(path: &Path) -> Tail {
+        let t = Tail::default();
+        let Ok(text) = read_end(path) else {
+            return t;
+        };
+        for line in text.lines() {
+            t.push(line);
+        }
+        t
+    }
+
     /// The kept lines, oldest first.
     pub fn lines(&self) -> Vec<String> {
         self.0
@@ -94,6 +147,26 @@ impl Tail {
     }
 }
 
+/// The last [`FILE_TAIL_BYTES_MAX`] bytes of `path`, from the first whole line on; a
+/// symlink there is not followed.
+fn read_end(path: &Path) -> std::io::Result<String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    let len = f.metadata()?.len();
+    let from = len.saturating_sub(FILE_TAIL_BYTES_MAX);
+    f.seek(std::io::SeekFrom::Start(from))?;
+    let mut bytes = Vec::new();
+    f.take(FILE_TAIL_BYTES_MAX).read_to_end(&mut bytes)?;
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    Ok(match (from, text.split_once('\n')) {
+        (0, _) | (_, None) => text,
+        (_, Some((_, rest))) => rest.to_string(),
+    })
+}
+
 /// Which of the agent's streams a worker stream goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stream {
@@ -101,11 +174,15 @@ pub enum Stream {
     Stderr,
 }
 
-/// Copies `input` line by line to the agent's `stream` with a `[rank N] ` prefix until EOF.
-/// Each line is written whole by one thread, so lines of different workers never interleave
-/// mid-line.
-pub async fn pump<R: AsyncRead + Unpin>(input: R, rank: u32, stream: Stream, tail: Option<Tail>) {
-    let prefix = format!("[rank {rank}] ");
+/// Copies `input` line by line to the teed stream's file and, prefixed, to the agent's
+/// `stream`, until EOF. Each line is written whole by one thread, so lines of different
+/// workers never interleave mid-line; a `\r` inside a line (a progress bar) stays in it.
+pub async fn pump<R: AsyncRead + Unpin>(
+    input: R,
+    to: Arc<Tee>,
+    stream: Stream,
+    tail: Option<Tail>,
+) {
     let mut reader = BufReader::new(input);
     let mut buf = Vec::with_capacity(256);
     loop {
@@ -117,24 +194,25 @@ pub async fn pump<R: AsyncRead + Unpin>(input: R, rank: u32, stream: Stream, tai
         {
             Ok(n) => n,
             Err(e) => {
-                tracing::debug!(rank, error = %e, "worker output read failed");
+                tracing::debug!(file = %to.path.display(), error = %e, "worker output read failed");
                 return;
             }
         };
         if n == 0 {
             return;
         }
-        if buf.last() != Some(&b'\n') {
-            buf.push(b'\n');
-        }
         let text = String::from_utf8_lossy(&buf);
         if let Some(t) = &tail {
             t.push(text.trim_end_matches('\n'));
         }
-        let mut line = Vec::with_capacity(prefix.len() + buf.len());
-        line.extend_from_slice(prefix.as_bytes());
-        line.extend_from_slice(&buf);
-        if writer().send(Out::Line(stream, line)).await.is_err() {
+        let filtered = to.filtered.as_ref().is_some_and(|(_, f)| f.matches(&text));
+        let msg = Out::Line {
+            to: to.clone(),
+            stream,
+            bytes: std::mem::take(&mut buf),
+            filtered,
+        };
+        if writer().send(msg).await.is_err() {
             // No writer: keep draining so the worker never blocks on its pipe.
             continue;
         }
@@ -158,21 +236,73 @@ mod tests {
         assert!(t.lines().last().unwrap().len() <= TAIL_LINE_BYTES_MAX);
     }
 
+    fn tee(dir: &Path, filters: &[&str]) -> Arc<Tee> {
+        let path = dir.join("stderr.log");
+        let filtered = (!filters.is_empty()).then(|| {
+            let f = std::fs::File::create(dir.join("filtered.log")).unwrap();
+            (
+                Arc::new(f),
+                crate::cli::Filters(filters.iter().map(|s| s.to_string()).collect()),
+            )
+        });
+        Arc::new(Tee {
+            file: std::fs::File::create(&path).unwrap(),
+            path,
+            prefix: "[p0]:".into(),
+            filtered,
+            write_failed: Default::default(),
+        })
+    }
+
     #[tokio::test]
-    async fn pump_splits_long_lines_into_the_tail() {
+    async fn pump_splits_long_lines_into_the_tail_and_keeps_the_files_bytes_exact() {
+        let tmp = tempfile::tempdir().unwrap();
         let t = Tail::default();
         let mut input = vec![b'a'; LINE_BYTES_MAX + 10];
-        input.extend_from_slice(b"\nlast line without newline");
-        pump(&input[..], 0, Stream::Stderr, Some(t.clone())).await;
+        input.extend_from_slice(b"\nprogress 1\rprogress 2\nlast line without newline");
+        pump(
+            &input[..],
+            tee(tmp.path(), &["progress"]),
+            Stream::Stderr,
+            Some(t.clone()),
+        )
+        .await;
         flush(Duration::from_secs(5)).await;
         let lines = t.lines();
         assert_eq!(
             lines.len(),
-            3,
+            4,
             "{:?}",
             lines.iter().map(|l| l.len()).collect::<Vec<_>>()
         );
         assert_eq!(lines[1], "a".repeat(10));
-        assert_eq!(lines[2], "last line without newline");
+        assert_eq!(lines[3], "last line without newline");
+        assert_eq!(std::fs::read(tmp.path().join("stderr.log")).unwrap(), input);
+        assert_eq!(
+            std::fs::read_to_string(tmp.path().join("filtered.log")).unwrap(),
+            "[p0]:progress 1\rprogress 2\n"
+        );
+    }
+
+    #[test]
+    fn the_tail_of_a_redirected_file_is_its_last_lines() {
+        let tmp = tempfile::tempdir().unwrap();
+        let p = tmp.path().join("stderr.log");
+        let mut text = "x".repeat(FILE_TAIL_BYTES_MAX as usize);
+        for i in 0..30 {
+            text.push_str(&format!("\nline {i}"));
+        }
+        std::fs::write(&p, &text).unwrap();
+        let lines = Tail::of_file(&p).lines();
+        assert_eq!(lines.len(), TAIL_LINES_MAX);
+        assert_eq!(lines.last().unwrap(), "line 29");
+        assert!(
+            Tail::of_file(&tmp.path().join("missing"))
+                .lines()
+                .is_empty()
+        );
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&p, &link).unwrap();
+        assert!(Tail::of_file(&link).lines().is_empty());
     }
 }

@@ -13,20 +13,23 @@
 //!   new generation: the supervisor runs one group of one generation.
 //! - The agent drives a running group through [`Command`]s: stop it, forward a signal, or
 //!   drain it (wait for the workers to save and exit until a deadline).
+//! - Where each worker's stdout and stderr go is [`crate::logs`]'s (inherited by default);
+//!   a failure carries what torchrun's root-cause summary shows ([`WorkerFailure::summary`]).
 
 use std::os::unix::process::ExitStatusExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
+use crate::logs::{Dest, Logs};
 use crate::output::{self, Stream, Tail};
 use crate::state::AgentState;
-use crate::worker_env::{self, GenerationView, WorkerSpec};
+use crate::worker_env::{self, GenerationView, LauncherEnv, WorkerSpec};
 
 /// Longest error file read from a worker.
 const ERROR_FILE_BYTES_MAX: u64 = 1024 * 1024;
@@ -50,6 +53,72 @@ pub struct SupervisorConfig {
     pub stop_grace: Duration,
     /// Whether the agent's own environment sets `OMP_NUM_THREADS`.
     pub omp_num_threads_set: bool,
+}
+
+/// What torchrun's launcher flags add to every worker group, for the agent's life: where
+/// the workers' output goes and the variables they get.
+#[derive(Debug)]
+pub struct Launcher {
+    pub logs: Logs,
+    pub env: LauncherEnv,
+}
+
+impl Launcher {
+    /// From the command line and the agent's environment
+    /// (`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`, `CUDA_VISIBLE_DEVICES`,
+    /// `TORCH_NCCL_ASYNC_ERROR_HANDLING`); a bad `--log-dir` is an error naming it.
+    pub fn from_cli(cli: &crate::cli::Cli, run_id: &str) -> Result<Launcher, String> {
+        let logs = Logs::new(crate::logs::LogsConfig {
+            redirects: cli.redirects.clone(),
+            tee: cli.tee.clone(),
+            local_ranks_filter: cli.local_ranks_filter.clone(),
+            duplicate_stdout_filters: cli.duplicate_stdout_filters.clone(),
+            duplicate_stderr_filters: cli.duplicate_stderr_filters.clone(),
+            prefix_template: std::env::var(crate::logs::LOG_LINE_PREFIX_TEMPLATE_ENV).ok(),
+            role: cli.role.clone(),
+            run_id: run_id.to_string(),
+            log_dir: cli.log_dir.clone(),
+        })?;
+        Ok(Launcher {
+            logs,
+            env: LauncherEnv::from_process(&cli.signals_to_handle.names, cli.virtual_local_rank),
+        })
+    }
+
+    /// Workers inherit the agent's streams and get torchrun's defaults (tests).
+    pub fn inherit(role: &str) -> Launcher {
+        Launcher {
+            logs: Logs::inherit(role),
+            env: LauncherEnv::default(),
+        }
+    }
+}
+
+/// torchrun's variable for the SIGTERM to SIGKILL grace, in seconds.
+pub const SHUTDOWN_TIMEOUT_ENV: &str = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT";
+/// Longest stop grace accepted from [`SHUTDOWN_TIMEOUT_ENV`], as for `--shutdown-timeout`.
+const SHUTDOWN_TIMEOUT_S_MAX: u64 = 86_400;
+
+/// The SIGTERM to SIGKILL grace when stopping workers: `--shutdown-timeout` (`flag_s`), else
+/// `env_s` (the value of [`SHUTDOWN_TIMEOUT_ENV`]), else `default`. A bad variable is an error
+/// naming it.
+pub fn stop_grace(
+    flag_s: Option<u64>,
+    env_s: Option<&str>,
+    default: Duration,
+) -> Result<Duration, String> {
+    if let Some(s) = flag_s {
+        return Ok(Duration::from_secs(s));
+    }
+    match env_s.map(str::trim) {
+        None | Some("") => Ok(default),
+        Some(v) => match v.parse::<u64>() {
+            Ok(s) if s <= SHUTDOWN_TIMEOUT_S_MAX => Ok(Duration::from_secs(s)),
+            _ => Err(format!(
+                "{SHUTDOWN_TIMEOUT_ENV}={v:?}: expected whole seconds, 0 to {SHUTDOWN_TIMEOUT_S_MAX}"
+            )),
+        },
+    }
 }
 
 /// What the agent (or the membership layer) asks of a running supervisor.
@@ -88,9 +157,190 @@ pub struct WorkerFailure {
     pub local_rank: u32,
     /// The worker's exit code, 128 + signal for a signal, 1 for a hang or a spawn failure.
     pub exit_code: i32,
-    /// From `TORCHELASTIC_ERROR_FILE` when the worker wrote one, else its last stderr lines.
+    /// The signal that killed it.
+    pub signal: Option<i32>,
+    pub pid: Option<u32>,
+    /// When the agent saw it fail, or the error file's timestamp when it has one.
+    pub time: SystemTime,
+    /// The error file, when the worker wrote one.
+    pub error_file: Option<PathBuf>,
+    /// torchrun's traceback: the error file's `py_callstack`, else its message.
+    pub traceback: Option<String>,
+    /// From `TORCHELASTIC_ERROR_FILE` when the worker wrote one, else its last stderr lines
+    /// (when stderr passed through the agent or went to a file), else what is known.
     pub message: String,
     pub restarts: u32,
+    /// Other workers of the group that had failed when the first failure was seen.
+    pub others: Vec<WorkerFailure>,
+}
+
+/// torchrun's traceback line when a worker left no error file.
+pub const NO_TRACEBACK: &str =
+    "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html";
+/// torchrun's value for what is not known.
+const NOT_AVAILABLE: &str = "<N/A>";
+/// The summary's border is as wide as its widest line, up to this, as torchrun's.
+const SUMMARY_WIDTH_MAX: usize = 60;
+
+impl WorkerFailure {
+    /// A failure known only by its rank, exit code and a message (a hang, a spawn failure).
+    pub fn new(rank: u32, local_rank: u32, exit_code: i32, message: String, restarts: u32) -> Self {
+        WorkerFailure {
+            rank,
+            local_rank,
+            exit_code,
+            signal: None,
+            pid: None,
+            time: SystemTime::now(),
+            error_file: None,
+            traceback: None,
+            message,
+            restarts,
+            others: Vec::new(),
+        }
+    }
+
+    /// torchrun's root-cause summary (`ChildFailedError.format_msg`) of this failure and the
+    /// others seen with it, titled `<name> FAILED`, on `host`.
+    pub fn summary(&self, name: &str, host: &str) -> String {
+        let title = format!("{name} FAILED");
+        let mut all: Vec<&WorkerFailure> = std::iter::once(self).chain(&self.others).collect();
+        all.sort_by_key(|f| f.rank);
+        let mut root = String::new();
+        let mut others = Vec::new();
+        let mut width = title.chars().count();
+        for (idx, f) in all.iter().enumerate() {
+            let block = f.summary_block(idx, host);
+            width = width.max(block.lines().map(|l| l.chars().count()).max().unwrap_or(0));
+            if std::ptr::eq(*f, self) {
+                root = block;
+            } else {
+                others.push(block);
+            }
+        }
+        let width = width.min(SUMMARY_WIDTH_MAX);
+        let others = if others.is_empty() {
+            "  <NO_OTHER_FAILURES>".to_string()
+        } else {
+            others.join("\n")
+        };
+        let border = "=".repeat(width);
+        let section = "-".repeat(width);
+        format!(
+            "\n{border}\n{title}\n{section}\nFailures:\n{others}\n{section}\nRoot Cause (first observed failure):\n{root}\n{border}"
+        )
+    }
+
+    fn summary_block(&self, idx: usize, host: &str) -> String {
+        let (exitcode, signal) = match self.signal {
+            Some(sig) => (-sig, format!(" ({})", signal_name(sig))),
+            None => (self.exit_code, String::new()),
+        };
+        let traceback = match (&self.traceback, self.signal) {
+            (Some(t), _) => t.clone(),
+            (None, Some(sig)) => format!(
+                "Signal {sig} ({}) received by PID {}",
+                signal_name(sig),
+                self.pid
+                    .map_or(NOT_AVAILABLE.to_string(), |p| p.to_string())
+            ),
+            (None, None) => NO_TRACEBACK.to_string(),
+        };
+        format!(
+            "[{idx}]:\n  time      : {}\n  host      : {host}\n  rank      : {} (local_rank: {})\n  exitcode  : {exitcode} (pid: {}){signal}\n  error_file: {}\n  traceback : {}",
+            local_time(self.time),
+            self.rank,
+            self.local_rank,
+            self.pid
+                .map_or(NOT_AVAILABLE.to_string(), |p| p.to_string()),
+            self.error_file
+                .as_ref()
+                .map_or(NOT_AVAILABLE.to_string(), |p| p.display().to_string()),
+            traceback.trim_end().replace('\n', "\n  "),
+        )
+    }
+}
+
+/// `SIGKILL` for 9: the name torchrun shows.
+pub fn signal_name(sig: i32) -> String {
+    let name = match sig {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        _ => return format!("signal {sig}"),
+    };
+    name.to_string()
+}
+
+/// `YYYY-MM-DD_HH:MM:SS` in local time, as torchrun prints a failure's time.
+fn local_time(t: SystemTime) -> String {
+    let secs = t
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as libc::time_t;
+    // SAFETY: localtime_r writes only into `tm`, which lives on this stack frame.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    if unsafe { libc::localtime_r(&secs, &mut tm) }.is_null() {
+        return NOT_AVAILABLE.to_string();
+    }
+    format!(
+        "{:04}-{:02}-{:02}_{:02}:{:02}:{:02}",
+        tm.tm_year + 1900,
+        tm.tm_mon + 1,
+        tm.tm_mday,
+        tm.tm_hour,
+        tm.tm_min,
+        tm.tm_sec
+    )
+}
+
+/// This machine's host name, for the summary.
+pub fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `buf.len()` bytes into `buf`.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return NOT_AVAILABLE.to_string();
+    }
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+/// The summary's title: the script for a Python command (`train.py`, or the module), else
+/// the program, as torchrun names its entrypoint.
+pub fn entrypoint_name(argv: &[String]) -> String {
+    let Some((program, args)) = argv.split_first() else {
+        return String::new();
+    };
+    let base = Path::new(program)
+        .file_name()
+        .map_or(program.clone(), |b| b.to_string_lossy().into_owned());
+    if !base.starts_with("python") {
+        return program.clone();
+    }
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-c" => return program.clone(),
+            "-m" => return it.next().cloned().unwrap_or_else(|| program.clone()),
+            a if a.starts_with('-') => {}
+            a => return a.to_string(),
+        }
+    }
+    program.clone()
 }
 
 impl std::fmt::Display for WorkerFailure {
@@ -114,26 +364,26 @@ pub async fn run(
     spec: WorkerSpec,
     view: GenerationView,
     restart_count: u32,
+    launcher: Arc<Launcher>,
     state: Arc<AgentState>,
     mut commands: mpsc::Receiver<Command>,
 ) -> Outcome {
     let restarts = restart_count;
-    let mut drain_deadline: Option<Instant> = None;
     let span = tracing::info_span!("group", restarts);
-    let (end, group) = match run_group(
+    let (end, group, drain_deadline) = match run_group(
         &cfg,
         &spec,
         &view,
         restarts,
+        &launcher,
         &state,
         &mut commands,
-        &mut drain_deadline,
     )
     .instrument(span)
     .await
     {
         Ok(r) => r,
-        Err(failure) => return Outcome::Failed(failure),
+        Err(failure) => return Outcome::Failed(*failure),
     };
     match end {
         GroupEnd::AllSucceeded if drain_deadline.is_some() => Outcome::Drained { clean: true },
@@ -156,29 +406,28 @@ pub async fn run(
         GroupEnd::Failed { local_rank, status } => {
             Outcome::Failed(group.failure(local_rank, status, &view, restarts))
         }
-        GroupEnd::Hung(limit) => Outcome::Failed(WorkerFailure {
-            rank: view.rank_offset,
-            local_rank: 0,
-            exit_code: 1,
-            message: format!(
-                "no worker reported progress for {limit:?}; the group was killed as hung"
-            ),
+        GroupEnd::Hung(limit) => Outcome::Failed(WorkerFailure::new(
+            view.rank_offset,
+            0,
+            1,
+            format!("no worker reported progress for {limit:?}; the group was killed as hung"),
             restarts,
-        }),
+        )),
     }
 }
 
 /// Starts one worker group and watches it until it ends; the group is stopped and reaped
-/// before this returns.
+/// before this returns, with the drain deadline if a drain began.
 async fn run_group(
     cfg: &SupervisorConfig,
     spec: &WorkerSpec,
     view: &GenerationView,
     restarts: u32,
+    launcher: &Launcher,
     state: &AgentState,
     commands: &mut mpsc::Receiver<Command>,
-    drain_deadline: &mut Option<Instant>,
-) -> Result<(GroupEnd, WorkerGroup), WorkerFailure> {
+) -> Result<(GroupEnd, WorkerGroup, Option<Instant>), Box<WorkerFailure>> {
+    let mut drain_deadline: Option<Instant> = None;
     let ranks = view.rank_offset..view.rank_offset + spec.nproc;
     state.begin_group(view.generation, view.world_size, ranks);
     tracing::info!(
@@ -189,7 +438,7 @@ async fn run_group(
         lr_scale = view.scaling.lr_scale,
         "starting workers"
     );
-    let mut group = WorkerGroup::start(cfg, spec, view, restarts)?;
+    let mut group = WorkerGroup::start(cfg, spec, view, restarts, launcher)?;
     state
         .metrics
         .worker_groups_started_total
@@ -201,8 +450,13 @@ async fn run_group(
         tokio::select! {
             exit = group.exits.recv() => {
                 let Some((local_rank, status)) = exit else { break GroupEnd::AllSucceeded };
-                group.exited[local_rank as usize] = Some(status);
+                group.exited(local_rank, status);
                 if !status.success() {
+                    // Others that failed by now are in the report too (torchrun's one poll);
+                    // those the stop kills next are not.
+                    while let Ok((i, s)) = group.exits.try_recv() {
+                        group.exited(i, s);
+                    }
                     break GroupEnd::Failed { local_rank, status };
                 }
                 if group.exited.iter().all(Option::is_some) {
@@ -214,7 +468,7 @@ async fn run_group(
                 Some(Command::Signal(sig)) => group.signal(sig),
                 Some(Command::Drain { deadline, sigterm_now }) => {
                     tracing::info!(sigterm_now, grace_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64, "draining workers");
-                    *drain_deadline = Some(deadline);
+                    drain_deadline = Some(deadline);
                     if sigterm_now {
                         group.signal(libc::SIGTERM);
                     }
@@ -225,7 +479,7 @@ async fn run_group(
                 if drain_deadline.is_some_and(|d| now >= d) {
                     break GroupEnd::DrainTimedOut;
                 }
-                if let (Some(limit), None) = (cfg.hang_timeout, *drain_deadline) {
+                if let (Some(limit), None) = (cfg.hang_timeout, drain_deadline) {
                     // Start-up (imports, rendezvous, restore) gets its own allowance.
                     let (last, limit) = match state.last_progress() {
                         Some(p) => (p.max(started), limit),
@@ -239,7 +493,7 @@ async fn run_group(
         }
     };
     group.stop(cfg.stop_grace).await;
-    Ok((end, group))
+    Ok((end, group, drain_deadline))
 }
 
 enum GroupEnd {
@@ -254,10 +508,22 @@ struct WorkerGroup {
     /// Worker PIDs, which are also their process-group ids.
     pids: Vec<i32>,
     exited: Vec<Option<ExitStatus>>,
+    /// When each worker was seen to fail, before the group was stopped.
+    failed_at: Vec<Option<SystemTime>>,
     exits: mpsc::Receiver<(u32, ExitStatus)>,
-    tails: Vec<Tail>,
-    error_files: Vec<std::path::PathBuf>,
+    tails: Vec<StderrTail>,
+    error_files: Vec<PathBuf>,
     tasks: Vec<JoinHandle<()>>,
+}
+
+/// Where a worker's last stderr lines can be found for its failure report.
+enum StderrTail {
+    /// Through the agent (teed): kept as it passed.
+    Kept(Tail),
+    /// In its log file (redirected).
+    File(PathBuf),
+    /// On the console or /dev/null: not seen by the agent.
+    None,
 }
 
 impl WorkerGroup {
@@ -266,36 +532,68 @@ impl WorkerGroup {
         spec: &WorkerSpec,
         view: &GenerationView,
         restarts: u32,
-    ) -> Result<Self, WorkerFailure> {
+        launcher: &Launcher,
+    ) -> Result<Self, Box<WorkerFailure>> {
         let nproc = spec.nproc as usize;
         let (tx, exits) = mpsc::channel(nproc.max(1));
         let mut group = WorkerGroup {
             pids: Vec::with_capacity(nproc),
             exited: Vec::with_capacity(nproc),
+            failed_at: Vec::with_capacity(nproc),
             exits,
             tails: Vec::with_capacity(nproc),
             error_files: Vec::with_capacity(nproc),
             tasks: Vec::with_capacity(3 * nproc),
         };
-        for local_rank in 0..spec.nproc {
-            let spawn_failure = |message: String| WorkerFailure {
-                rank: view.rank_offset + local_rank,
-                local_rank,
-                exit_code: 1,
-                message,
-                restarts,
+        let attempt = launcher
+            .logs
+            .attempt(spec.nproc, view.rank_offset)
+            .map_err(|e| Box::new(WorkerFailure::new(view.rank_offset, 0, 1, e, restarts)))?;
+        for (local_rank, logs) in (0..spec.nproc).zip(attempt.workers) {
+            let spawn_failure = |message: String| {
+                Box::new(WorkerFailure::new(
+                    view.rank_offset + local_rank,
+                    local_rank,
+                    1,
+                    message,
+                    restarts,
+                ))
             };
-            let env =
-                worker_env::worker_env(spec, view, local_rank, restarts, cfg.omp_num_threads_set)
-                    .map_err(|e| spawn_failure(e.to_string()))?;
-            let error_file =
-                worker_env::error_file(&spec.run_dir, view.generation, restarts, local_rank);
-            if let Some(dir) = error_file.parent() {
-                std::fs::create_dir_all(dir)
-                    .map_err(|e| spawn_failure(format!("create {}: {e}", dir.display())))?;
-            }
-            let _ = std::fs::remove_file(&error_file);
-            let mut child = match spawn_worker(&cfg.argv, &env) {
+            let error_file = match logs.error_file {
+                Some(f) => f,
+                None => {
+                    let f = worker_env::error_file(
+                        &spec.run_dir,
+                        view.generation,
+                        restarts,
+                        local_rank,
+                    );
+                    if let Some(dir) = f.parent() {
+                        std::fs::create_dir_all(dir)
+                            .map_err(|e| spawn_failure(format!("create {}: {e}", dir.display())))?;
+                    }
+                    let _ = std::fs::remove_file(&f);
+                    f
+                }
+            };
+            let env = worker_env::worker_env(
+                spec,
+                view,
+                local_rank,
+                restarts,
+                cfg.omp_num_threads_set,
+                &launcher.env,
+                &error_file,
+            )
+            .map_err(|e| spawn_failure(e.to_string()))?;
+            let tail = match &logs.stderr {
+                Dest::Tee(_) => StderrTail::Kept(Tail::default()),
+                Dest::File(p, _) => StderrTail::File(p.clone()),
+                Dest::Console | Dest::Null => StderrTail::None,
+            };
+            let (stdout, out_tee) = stdio(logs.stdout);
+            let (stderr, err_tee) = stdio(logs.stderr);
+            let mut child = match spawn_worker(&cfg.argv, &env, stdout, stderr) {
                 Ok(c) => c,
                 Err(e) => {
                     let msg = format!("cannot start `{}`: {e}", cfg.argv.join(" "));
@@ -307,19 +605,19 @@ impl WorkerGroup {
             };
             let rank = view.rank_offset + local_rank;
             let pid = child.id().map(|p| p as i32).unwrap_or(0);
-            let tail = Tail::default();
-            if let Some(out) = child.stdout.take() {
+            if let (Some(out), Some(to)) = (child.stdout.take(), out_tee) {
                 group
                     .tasks
-                    .push(tokio::spawn(output::pump(out, rank, Stream::Stdout, None)));
+                    .push(tokio::spawn(output::pump(out, to, Stream::Stdout, None)));
             }
-            if let Some(err) = child.stderr.take() {
-                group.tasks.push(tokio::spawn(output::pump(
-                    err,
-                    rank,
-                    Stream::Stderr,
-                    Some(tail.clone()),
-                )));
+            if let (Some(err), Some(to)) = (child.stderr.take(), err_tee) {
+                let kept = match &tail {
+                    StderrTail::Kept(t) => Some(t.clone()),
+                    _ => None,
+                };
+                group
+                    .tasks
+                    .push(tokio::spawn(output::pump(err, to, Stream::Stderr, kept)));
             }
             let tx = tx.clone();
             group.tasks.push(tokio::spawn(async move {
@@ -333,10 +631,20 @@ impl WorkerGroup {
             tracing::debug!(rank, local_rank, pid, "worker started");
             group.pids.push(pid);
             group.exited.push(None);
+            group.failed_at.push(None);
             group.tails.push(tail);
             group.error_files.push(error_file);
         }
         Ok(group)
+    }
+
+    /// Notes that `local_rank` exited, and when, if it failed while the group ran.
+    fn exited(&mut self, local_rank: u32, status: ExitStatus) {
+        let i = local_rank as usize;
+        self.exited[i] = Some(status);
+        if !status.success() {
+            self.failed_at[i] = Some(SystemTime::now());
+        }
     }
 
     /// Sends `sig` to the process group of every worker that has not been seen to exit.
@@ -385,6 +693,7 @@ impl WorkerGroup {
         }
     }
 
+    /// The failure of `local_rank`, with the others seen failed before the group was stopped.
     fn failure(
         &self,
         local_rank: u32,
@@ -392,22 +701,85 @@ impl WorkerGroup {
         view: &GenerationView,
         restarts: u32,
     ) -> WorkerFailure {
+        let mut root = self.one_failure(local_rank, status, view, restarts);
+        for (i, (at, exited)) in self.failed_at.iter().zip(&self.exited).enumerate() {
+            if i as u32 != local_rank
+                && at.is_some()
+                && let Some(s) = exited
+            {
+                root.others
+                    .push(self.one_failure(i as u32, *s, view, restarts));
+            }
+        }
+        root
+    }
+
+    fn one_failure(
+        &self,
+        local_rank: u32,
+        status: ExitStatus,
+        view: &GenerationView,
+        restarts: u32,
+    ) -> WorkerFailure {
         let i = local_rank as usize;
-        let message = read_error_file(&self.error_files[i])
-            .unwrap_or_else(|| self.tails[i].lines().join("\n"));
+        let record = read_error_record(&self.error_files[i]);
+        let pid = u32::try_from(self.pids[i]).ok().filter(|p| *p > 0);
+        let signal = status.signal();
+        let tail = match &self.tails[i] {
+            StderrTail::Kept(t) => t.lines(),
+            StderrTail::File(p) => Tail::of_file(p).lines(),
+            StderrTail::None => Vec::new(),
+        };
+        let message = match (&record, signal) {
+            (Some(r), _) => r.text(),
+            (None, _) if !tail.is_empty() => tail.join("\n"),
+            (None, Some(sig)) => format!(
+                "Signal {sig} ({}) received by PID {}",
+                signal_name(sig),
+                pid.map_or(NOT_AVAILABLE.to_string(), |p| p.to_string())
+            ),
+            (None, None) => match self.tails[i] {
+                StderrTail::None => "its stderr is above, on this console".to_string(),
+                _ => "it wrote nothing to stderr".to_string(),
+            },
+        };
+        let time = record
+            .as_ref()
+            .and_then(|r| r.timestamp)
+            .map(|s| SystemTime::UNIX_EPOCH + Duration::from_secs(s))
+            .or(self.failed_at[i])
+            .unwrap_or_else(SystemTime::now);
         WorkerFailure {
             rank: view.rank_offset + local_rank,
             local_rank,
             exit_code: exit_code(status),
+            signal,
+            pid,
+            time,
+            error_file: record.as_ref().map(|_| self.error_files[i].clone()),
+            traceback: record.map(|r| r.traceback),
             message,
             restarts,
+            others: Vec::new(),
         }
+    }
+}
+
+/// How a worker stream is given to the child, and the tee to pump it into when piped.
+fn stdio(dest: Dest) -> (Stdio, Option<Arc<crate::logs::Tee>>) {
+    match dest {
+        Dest::Console => (Stdio::inherit(), None),
+        Dest::Null => (Stdio::null(), None),
+        Dest::File(_, f) => (Stdio::from(f), None),
+        Dest::Tee(t) => (Stdio::piped(), Some(t)),
     }
 }
 
 fn spawn_worker(
     argv: &[String],
     env: &[(String, String)],
+    stdout: Stdio,
+    stderr: Stdio,
 ) -> std::io::Result<tokio::process::Child> {
     let (program, args) = argv
         .split_first()
@@ -416,8 +788,8 @@ fn spawn_worker(
     cmd.args(args)
         .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stdout(stdout)
+        .stderr(stderr)
         .process_group(0)
         .kill_on_drop(true);
     let agent_pid = std::process::id() as libc::pid_t;
@@ -455,35 +827,80 @@ pub fn exit_code(status: ExitStatus) -> i32 {
     }
 }
 
+/// What a worker recorded in its error file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorRecord {
+    /// `message.message` (or a plain `message`).
+    pub message: String,
+    /// What torchrun's summary shows: `extraInfo.py_callstack`, else the message.
+    pub traceback: String,
+    /// `extraInfo.timestamp`, seconds since the epoch.
+    pub timestamp: Option<u64>,
+}
+
+impl ErrorRecord {
+    /// The message and the call stack, for the one-line report.
+    fn text(&self) -> String {
+        match (self.message.is_empty(), self.traceback == self.message) {
+            (true, _) | (false, true) => self.traceback.trim_end().to_string(),
+            (false, false) => format!("{}\n{}", self.message, self.traceback.trim_end()),
+        }
+    }
+}
+
 /// Reads the error a worker recorded through torch's `@record` (or any JSON in that shape):
-/// `{"message": {"message": "...", "extraInfo": {"py_callstack": "..."}}}`, or
-/// `{"message": "..."}`.
-pub fn read_error_file(path: &Path) -> Option<String> {
+/// `{"message": {"message": "...", "extraInfo": {"py_callstack": "...", "timestamp": "..."}}}`,
+/// or `{"message": "..."}`.
+pub fn read_error_record(path: &Path) -> Option<ErrorRecord> {
     use std::io::Read;
-    let f = std::fs::File::open(path).ok()?;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .ok()?;
     let mut bytes = Vec::new();
     f.take(ERROR_FILE_BYTES_MAX).read_to_end(&mut bytes).ok()?;
     let v: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
     let msg = v.get("message")?;
     if let Some(s) = msg.as_str() {
-        return Some(s.to_string());
+        return Some(ErrorRecord {
+            message: s.to_string(),
+            traceback: s.to_string(),
+            timestamp: None,
+        });
     }
     let text = msg
         .get("message")
         .and_then(|m| m.as_str())
         .unwrap_or("")
         .to_string();
-    let stack = msg
-        .get("extraInfo")
+    let extra = msg.get("extraInfo");
+    let stack = extra
         .and_then(|e| e.get("py_callstack"))
         .and_then(|s| s.as_str())
         .unwrap_or("");
-    match (text.is_empty(), stack.is_empty()) {
-        (true, true) => None,
-        (false, true) => Some(text),
-        (true, false) => Some(stack.trim_end().to_string()),
-        (false, false) => Some(format!("{text}\n{}", stack.trim_end())),
+    let timestamp = extra.and_then(|e| e.get("timestamp")).and_then(|t| {
+        t.as_u64()
+            .or_else(|| t.as_str().and_then(|s| s.trim().parse().ok()))
+    });
+    if text.is_empty() && stack.is_empty() {
+        return None;
     }
+    Some(ErrorRecord {
+        traceback: if stack.is_empty() {
+            text.clone()
+        } else {
+            stack.to_string()
+        },
+        message: text,
+        timestamp,
+    })
+}
+
+/// [`read_error_record`]'s message and call stack as one text.
+pub fn read_error_file(path: &Path) -> Option<String> {
+    read_error_record(path).map(|r| r.text())
 }
 
 #[cfg(test)]
@@ -557,6 +974,26 @@ mod tests {
         }
     }
 
+    fn inherit() -> Arc<Launcher> {
+        Arc::new(Launcher::inherit("default"))
+    }
+
+    /// stderr teed through the agent into `DIR/logs`.
+    fn teed(f: &Fixture) -> Arc<Launcher> {
+        let logs = Logs::new(crate::logs::LogsConfig {
+            tee: crate::cli::StdSpec::All(crate::cli::Std::ERR),
+            role: "default".into(),
+            run_id: "t".into(),
+            log_dir: Some(f.dir.path().join("logs")),
+            ..Default::default()
+        })
+        .unwrap();
+        Arc::new(Launcher {
+            logs,
+            env: LauncherEnv::default(),
+        })
+    }
+
     fn cfg(script: &str) -> SupervisorConfig {
         SupervisorConfig {
             argv: vec!["sh".into(), "-c".into(), script.into()],
@@ -577,6 +1014,7 @@ mod tests {
             spec(&f, 3, 0),
             view(3),
             0,
+            inherit(),
             f.state.clone(),
             rx,
         )
@@ -600,6 +1038,7 @@ mod tests {
             spec(&f, 2, 2),
             view(2),
             2,
+            teed(&f),
             f.state.clone(),
             rx,
         )
@@ -609,6 +1048,9 @@ mod tests {
         };
         assert_eq!((fail.rank, fail.exit_code, fail.restarts), (1, 7, 2));
         assert!(fail.message.contains("bad thing on 1"), "{}", fail.message);
+        assert!(fail.pid.is_some() && fail.signal.is_none() && fail.error_file.is_none());
+        // Rank 0 was stopped by the agent: not one of the failures.
+        assert!(fail.others.is_empty(), "{:?}", fail.others);
         // One group only: restarting is the agent's decision.
         assert_eq!(std::fs::read_to_string(&marker).unwrap(), "2\n");
         // The sleeping rank 0 was stopped rather than waited for.
@@ -620,13 +1062,177 @@ mod tests {
         let f = fixture();
         let script = r#"echo noise >&2; printf '{"message":{"message":"RuntimeError: from file","extraInfo":{"py_callstack":"","timestamp":"0"}}}' > "$TORCHELASTIC_ERROR_FILE"; exit 3"#;
         let (_tx, rx) = mpsc::channel(4);
-        let Outcome::Failed(fail) =
-            run(cfg(script), spec(&f, 1, 0), view(1), 0, f.state.clone(), rx).await
+        let Outcome::Failed(fail) = run(
+            cfg(script),
+            spec(&f, 1, 0),
+            view(1),
+            0,
+            teed(&f),
+            f.state.clone(),
+            rx,
+        )
+        .await
         else {
             panic!()
         };
         assert_eq!(fail.exit_code, 3);
         assert_eq!(fail.message, "RuntimeError: from file");
+        assert_eq!(fail.traceback.as_deref(), Some("RuntimeError: from file"));
+        assert_eq!(fail.time, SystemTime::UNIX_EPOCH);
+        let file = fail.error_file.unwrap();
+        assert!(
+            file.ends_with("attempt_0/0/error.json"),
+            "{}",
+            file.display()
+        );
+    }
+
+    #[tokio::test]
+    async fn an_inherited_stderr_is_not_in_the_report_and_a_signal_is() {
+        let f = fixture();
+        let (_tx, rx) = mpsc::channel(4);
+        let Outcome::Failed(fail) = run(
+            cfg("exit 4"),
+            spec(&f, 1, 0),
+            view(1),
+            0,
+            inherit(),
+            f.state.clone(),
+            rx,
+        )
+        .await
+        else {
+            panic!()
+        };
+        assert!(fail.message.contains("stderr is above"), "{}", fail.message);
+        let (_tx, rx) = mpsc::channel(4);
+        let Outcome::Failed(fail) = run(
+            cfg("kill -9 $$"),
+            spec(&f, 1, 0),
+            view(1),
+            0,
+            inherit(),
+            f.state.clone(),
+            rx,
+        )
+        .await
+        else {
+            panic!()
+        };
+        assert_eq!((fail.exit_code, fail.signal), (128 + 9, Some(9)));
+        let pid = fail.pid.unwrap();
+        assert_eq!(
+            fail.message,
+            format!("Signal 9 (SIGKILL) received by PID {pid}")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_redirected_stderr_goes_to_its_file_and_its_tail_to_the_report() {
+        let f = fixture();
+        let logs = Logs::new(crate::logs::LogsConfig {
+            redirects: crate::cli::StdSpec::All(crate::cli::Std::ALL),
+            role: "default".into(),
+            run_id: "t".into(),
+            log_dir: Some(f.dir.path().join("logs")),
+            ..Default::default()
+        })
+        .unwrap();
+        let launcher = Arc::new(Launcher {
+            logs,
+            env: LauncherEnv::default(),
+        });
+        let (_tx, rx) = mpsc::channel(4);
+        let script = "echo out; echo 'worker said no' >&2; exit 2";
+        let Outcome::Failed(fail) = run(
+            cfg(script),
+            spec(&f, 1, 0),
+            view(1),
+            0,
+            launcher.clone(),
+            f.state.clone(),
+            rx,
+        )
+        .await
+        else {
+            panic!()
+        };
+        assert_eq!(fail.message, "worker said no");
+        let dir = launcher.logs.run_dir().unwrap().join("attempt_0/0");
+        assert_eq!(
+            std::fs::read_to_string(dir.join("stdout.log")).unwrap(),
+            "out\n"
+        );
+    }
+
+    #[test]
+    fn the_summary_is_torchruns_block() {
+        let mut root = WorkerFailure::new(1, 1, 1, "m".into(), 0);
+        root.pid = Some(42);
+        root.error_file = Some("/l/attempt_0/1/error.json".into());
+        root.traceback = Some("Traceback (most recent call last):\n  x\nValueError: v\n".into());
+        let mut other = WorkerFailure::new(0, 0, 137, "k".into(), 0);
+        other.signal = Some(9);
+        other.pid = Some(41);
+        root.others.push(other);
+        let s = root.summary("train.py", "host-a");
+        let lines: Vec<&str> = s.lines().collect();
+        assert_eq!(lines[0], "");
+        // As wide as the widest line (the signal's traceback here), at most 60.
+        let widest = "  traceback : Signal 9 (SIGKILL) received by PID 41".len();
+        assert_eq!(lines[1], "=".repeat(widest));
+        assert_eq!(lines[3], "-".repeat(widest));
+        assert_eq!(*lines.last().unwrap(), lines[1]);
+        assert_eq!(lines[2], "train.py FAILED");
+        assert_eq!(lines[4], "Failures:");
+        assert_eq!(lines[5], "[0]:");
+        assert!(s.contains("  rank      : 0 (local_rank: 0)\n  exitcode  : -9 (pid: 41) (SIGKILL)\n  error_file: <N/A>\n  traceback : Signal 9 (SIGKILL) received by PID 41\n"), "{s}");
+        assert!(
+            s.contains("Root Cause (first observed failure):\n[1]:\n"),
+            "{s}"
+        );
+        assert!(s.contains("  host      : host-a\n  rank      : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 42)\n  error_file: /l/attempt_0/1/error.json\n  traceback : Traceback (most recent call last):\n    x\n  ValueError: v\n="), "{s}");
+        let alone = WorkerFailure::new(3, 0, 2, String::new(), 0).summary("sh", "h");
+        assert!(
+            alone.contains("Failures:\n  <NO_OTHER_FAILURES>\n"),
+            "{alone}"
+        );
+        assert!(
+            alone.contains(&format!("traceback : {NO_TRACEBACK}")),
+            "{alone}"
+        );
+        assert!(alone.contains("(pid: <N/A>)"), "{alone}");
+    }
+
+    #[test]
+    fn stop_grace_is_the_flag_else_the_variable_else_the_default() {
+        let d = Duration::from_secs(5);
+        assert_eq!(
+            stop_grace(Some(7), Some("9"), d),
+            Ok(Duration::from_secs(7))
+        );
+        assert_eq!(stop_grace(None, Some("9"), d), Ok(Duration::from_secs(9)));
+        assert_eq!(stop_grace(None, None, d), Ok(d));
+        assert_eq!(stop_grace(None, Some(""), d), Ok(d));
+        for bad in ["x", "-1", "1.5", "100000"] {
+            let e = stop_grace(None, Some(bad), d).unwrap_err();
+            assert!(e.contains(SHUTDOWN_TIMEOUT_ENV), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_entrypoint_is_named_as_torchrun_names_it() {
+        let v = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            entrypoint_name(&v(&["/usr/bin/python3", "-u", "train.py", "--lr"])),
+            "train.py"
+        );
+        assert_eq!(
+            entrypoint_name(&v(&["python3", "-m", "pkg.main"])),
+            "pkg.main"
+        );
+        assert_eq!(entrypoint_name(&v(&["python", "-c", "code"])), "python");
+        assert_eq!(entrypoint_name(&v(&["sh", "-c", "x"])), "sh");
     }
 
     #[tokio::test]
@@ -636,7 +1242,16 @@ mod tests {
         c.hang_timeout = Some(Duration::from_millis(300));
         let (_tx, rx) = mpsc::channel(4);
         let t0 = Instant::now();
-        let Outcome::Failed(fail) = run(c, spec(&f, 2, 1), view(2), 1, f.state.clone(), rx).await
+        let Outcome::Failed(fail) = run(
+            c,
+            spec(&f, 2, 1),
+            view(2),
+            1,
+            inherit(),
+            f.state.clone(),
+            rx,
+        )
+        .await
         else {
             panic!()
         };
@@ -655,7 +1270,15 @@ mod tests {
         let (tx, rx) = mpsc::channel(4);
         let mut c = cfg("trap '' TERM; sleep 30 & wait; sleep 30");
         c.stop_grace = Duration::from_millis(200);
-        let sup = tokio::spawn(run(c, spec(&f, 2, 0), view(2), 0, f.state.clone(), rx));
+        let sup = tokio::spawn(run(
+            c,
+            spec(&f, 2, 0),
+            view(2),
+            0,
+            inherit(),
+            f.state.clone(),
+            rx,
+        ));
         tokio::time::sleep(Duration::from_millis(200)).await;
         let t0 = Instant::now();
         tx.send(Command::Drain {
@@ -679,6 +1302,7 @@ mod tests {
             spec(&f, 1, 0),
             view(1),
             0,
+            inherit(),
             f.state.clone(),
             rx,
         ));

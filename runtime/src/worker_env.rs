@@ -4,7 +4,9 @@
 //! [`GenerationView`], the local rank and the restart count. The `elastic` crate's generation
 //! record maps onto [`GenerationView`] field by field (world size, this node's rank offset,
 //! master address and port, scaling decision, resume step); standalone and static runs build
-//! one themselves. The scaling variables are [`ScalingDecision::env`]'s.
+//! one themselves. The scaling variables are [`ScalingDecision::env`]'s. What torchrun's
+//! launcher flags and the agent's own environment add (`--signals-to-handle`,
+//! `--virtual-local-rank`, `TORCH_NCCL_ASYNC_ERROR_HANDLING`) is a [`LauncherEnv`].
 
 use std::path::{Path, PathBuf};
 
@@ -59,6 +61,48 @@ pub struct WorkerSpec {
     pub run_dir: PathBuf,
 }
 
+/// What the launcher flags and the agent's own environment add to every worker's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LauncherEnv {
+    /// `--signals-to-handle`, as `TORCHELASTIC_SIGNALS_TO_HANDLE`.
+    pub signals_to_handle: String,
+    /// Whether the agent's environment sets `TORCH_NCCL_ASYNC_ERROR_HANDLING` (workers then
+    /// inherit it; else it is 1, torchrun's).
+    pub nccl_async_error_handling_set: bool,
+    /// `--virtual-local-rank`: `LOCAL_RANK=0` and only the rank's own device visible.
+    pub virtual_local_rank: bool,
+    /// The agent's `CUDA_VISIBLE_DEVICES`: the list `--virtual-local-rank` picks from.
+    pub cuda_visible_devices: Option<String>,
+}
+
+impl LauncherEnv {
+    /// From the flags and the agent's environment.
+    pub fn from_process(signals_to_handle: &str, virtual_local_rank: bool) -> LauncherEnv {
+        LauncherEnv {
+            signals_to_handle: signals_to_handle.to_string(),
+            nccl_async_error_handling_set: std::env::var_os(NCCL_ASYNC_ERROR_HANDLING_ENV)
+                .is_some(),
+            virtual_local_rank,
+            cuda_visible_devices: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
+        }
+    }
+}
+
+impl Default for LauncherEnv {
+    /// torchrun's defaults, nothing set by the agent's environment.
+    fn default() -> Self {
+        LauncherEnv {
+            signals_to_handle: crate::cli::SIGNALS_TO_HANDLE_DEFAULT.to_string(),
+            nccl_async_error_handling_set: false,
+            virtual_local_rank: false,
+            cuda_visible_devices: None,
+        }
+    }
+}
+
+/// NCCL's error handling switch, on in every worker unless the agent's environment says.
+pub const NCCL_ASYNC_ERROR_HANDLING_ENV: &str = "TORCH_NCCL_ASYNC_ERROR_HANDLING";
+
 /// Why a rank does not fit the generation.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EnvError {
@@ -73,6 +117,10 @@ pub enum EnvError {
         end: u64,
         world_size: u32,
     },
+    #[error(
+        "--virtual-local-rank: local rank {local_rank} has no device in CUDA_VISIBLE_DEVICES={visible}"
+    )]
+    NoDeviceForRank { local_rank: u32, visible: String },
 }
 
 /// The error file a worker of this attempt writes (torch's `@record` reads
@@ -85,7 +133,8 @@ pub fn error_file(run_dir: &Path, generation: u64, restart_count: u32, local_ran
         .join("error.json")
 }
 
-/// The variables to set for `local_rank` (on top of the agent's own environment).
+/// The variables to set for `local_rank` (on top of the agent's own environment), whose
+/// `TORCHELASTIC_ERROR_FILE` is `error_file` (in the log dir, else [`error_file`]).
 ///
 /// `omp_num_threads_set` says whether the agent's environment already has `OMP_NUM_THREADS`.
 /// torchrun's rule: set it to 1 when unset and more than one worker shares the node, so
@@ -96,6 +145,8 @@ pub fn worker_env(
     local_rank: u32,
     restart_count: u32,
     omp_num_threads_set: bool,
+    launcher: &LauncherEnv,
+    error_file: &Path,
 ) -> Result<Vec<(String, String)>, EnvError> {
     if local_rank >= spec.nproc {
         return Err(EnvError::LocalRankOutOfRange {
@@ -113,9 +164,26 @@ pub fn worker_env(
         });
     }
     let rank = view.rank_offset + local_rank;
+    // torchrun's virtual local rank: every worker is local rank 0 on the one device it sees.
+    let (env_local_rank, device) = if launcher.virtual_local_rank {
+        let device = match &launcher.cuda_visible_devices {
+            Some(list) => list
+                .split(',')
+                .nth(local_rank as usize)
+                .map(|d| d.trim().to_string())
+                .ok_or_else(|| EnvError::NoDeviceForRank {
+                    local_rank,
+                    visible: list.clone(),
+                })?,
+            None => local_rank.to_string(),
+        };
+        (0, Some(device))
+    } else {
+        (local_rank, None)
+    };
     let mut env: Vec<(String, String)> = vec![
         ("RANK".into(), rank.to_string()),
-        ("LOCAL_RANK".into(), local_rank.to_string()),
+        ("LOCAL_RANK".into(), env_local_rank.to_string()),
         ("WORLD_SIZE".into(), view.world_size.to_string()),
         ("LOCAL_WORLD_SIZE".into(), spec.nproc.to_string()),
         ("GROUP_RANK".into(), view.node_rank.to_string()),
@@ -138,14 +206,10 @@ pub fn worker_env(
         // The workers build their own TCPStore from MASTER_ADDR/PORT (env://); the agent does
         // not host one.
         ("TORCHELASTIC_USE_AGENT_STORE".into(), "False".into()),
+        ("TORCHELASTIC_ERROR_FILE".into(), path_str(error_file)),
         (
-            "TORCHELASTIC_ERROR_FILE".into(),
-            path_str(&error_file(
-                &spec.run_dir,
-                view.generation,
-                restart_count,
-                local_rank,
-            )),
+            "TORCHELASTIC_SIGNALS_TO_HANDLE".into(),
+            launcher.signals_to_handle.clone(),
         ),
         ("ELASTIC_GENERATION".into(), view.generation.to_string()),
         ("ELASTIC_STAGING_DIR".into(), path_str(&spec.staging_dir)),
@@ -155,9 +219,16 @@ pub fn worker_env(
         ),
         ("ELASTIC_AGENT_SOCKET".into(), path_str(&spec.agent_socket)),
         ("ELASTIC_NODE_ID".into(), spec.node_id.clone()),
-        // Worker output goes through pipes; unbuffered Python keeps lines timely and in order.
+        // Worker output may go to files or through the agent (--redirects, --tee); unbuffered
+        // Python keeps lines timely and stdout and stderr in order.
         ("PYTHONUNBUFFERED".into(), "1".into()),
     ];
+    if !launcher.nccl_async_error_handling_set {
+        env.push((NCCL_ASYNC_ERROR_HANDLING_ENV.into(), "1".into()));
+    }
+    if let Some(d) = device {
+        env.push(("CUDA_VISIBLE_DEVICES".into(), d));
+    }
     if !omp_num_threads_set && spec.nproc > 1 {
         env.push(("OMP_NUM_THREADS".into(), "1".into()));
     }
@@ -222,6 +293,25 @@ mod tests {
         }
     }
 
+    fn env_of(
+        spec: &WorkerSpec,
+        view: &GenerationView,
+        local_rank: u32,
+        restart_count: u32,
+        omp: bool,
+    ) -> Result<Vec<(String, String)>, EnvError> {
+        let file = error_file(&spec.run_dir, view.generation, restart_count, local_rank);
+        worker_env(
+            spec,
+            view,
+            local_rank,
+            restart_count,
+            omp,
+            &LauncherEnv::default(),
+            &file,
+        )
+    }
+
     fn get<'a>(env: &'a [(String, String)], k: &str) -> Option<&'a str> {
         let hits: Vec<_> = env.iter().filter(|(n, _)| n == k).collect();
         assert!(hits.len() <= 1, "{k} set twice");
@@ -230,7 +320,7 @@ mod tests {
 
     #[test]
     fn second_local_rank_of_middle_node_gets_the_full_contract() {
-        let env = worker_env(&spec(), &view(), 1, 2, false).unwrap();
+        let env = env_of(&spec(), &view(), 1, 2, false).unwrap();
         let expect = [
             ("RANK", "3"),
             ("LOCAL_RANK", "1"),
@@ -265,6 +355,11 @@ mod tests {
             ("ELASTIC_CHECKPOINT_INTERVAL", "50"),
             ("ELASTIC_AGENT_SOCKET", "/tmp/er/agent.sock"),
             ("ELASTIC_NODE_ID", "node-b"),
+            ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            (
+                "TORCHELASTIC_SIGNALS_TO_HANDLE",
+                "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+            ),
         ];
         for (k, v) in expect {
             assert_eq!(get(&env, k), Some(v), "{k}");
@@ -273,13 +368,13 @@ mod tests {
 
     #[test]
     fn omp_threads_left_alone_when_user_set_it_or_single_worker() {
-        let env = worker_env(&spec(), &view(), 0, 0, true).unwrap();
+        let env = env_of(&spec(), &view(), 0, 0, true).unwrap();
         assert_eq!(get(&env, "OMP_NUM_THREADS"), None);
         let mut one = spec();
         one.nproc = 1;
         let mut v = view();
         v.rank_offset = 0;
-        let env = worker_env(&one, &v, 0, 0, false).unwrap();
+        let env = env_of(&one, &v, 0, 0, false).unwrap();
         assert_eq!(get(&env, "OMP_NUM_THREADS"), None);
     }
 
@@ -288,7 +383,7 @@ mod tests {
         let mut v = view();
         v.scaling = ScalingDecision::identity();
         v.resume = None;
-        let env = worker_env(&spec(), &v, 0, 0, false).unwrap();
+        let env = env_of(&spec(), &v, 0, 0, false).unwrap();
         for k in [
             "ELASTIC_LR",
             "ELASTIC_BATCH_SIZE",
@@ -317,7 +412,7 @@ mod tests {
         for scaling in [view().scaling, ScalingDecision::identity()] {
             let mut v = view();
             v.scaling = scaling.clone();
-            let env = worker_env(&spec(), &v, 0, 0, false).unwrap();
+            let env = env_of(&spec(), &v, 0, 0, false).unwrap();
             let want = scaling.env();
             for (k, value) in &want {
                 assert_eq!(get(&env, k), Some(value.as_str()), "{k}");
@@ -337,13 +432,49 @@ mod tests {
         let mut v = view();
         v.rank_offset = 5; // ranks 5 and 6 in a world of 6
         assert!(matches!(
-            worker_env(&spec(), &v, 0, 0, false),
+            env_of(&spec(), &v, 0, 0, false),
             Err(EnvError::RanksOutsideWorld { .. })
         ));
         assert!(matches!(
-            worker_env(&spec(), &view(), 2, 0, false),
+            env_of(&spec(), &view(), 2, 0, false),
             Err(EnvError::LocalRankOutOfRange { .. })
         ));
+    }
+
+    #[test]
+    fn launcher_flags_and_the_agents_environment_reach_the_workers() {
+        let file = Path::new("/logs/attempt_3/1/error.json");
+        let mut l = LauncherEnv {
+            signals_to_handle: "SIGTERM,SIGUSR1".into(),
+            nccl_async_error_handling_set: true,
+            virtual_local_rank: true,
+            cuda_visible_devices: Some("4, 6".into()),
+        };
+        let env = worker_env(&spec(), &view(), 1, 0, false, &l, file).unwrap();
+        assert_eq!(
+            get(&env, "TORCHELASTIC_ERROR_FILE"),
+            Some("/logs/attempt_3/1/error.json")
+        );
+        assert_eq!(
+            get(&env, "TORCHELASTIC_SIGNALS_TO_HANDLE"),
+            Some("SIGTERM,SIGUSR1")
+        );
+        // Set by the agent's environment: inherited as it is.
+        assert_eq!(get(&env, "TORCH_NCCL_ASYNC_ERROR_HANDLING"), None);
+        assert_eq!(get(&env, "LOCAL_RANK"), Some("0"));
+        assert_eq!(get(&env, "RANK"), Some("3"));
+        assert_eq!(get(&env, "CUDA_VISIBLE_DEVICES"), Some("6"));
+        l.cuda_visible_devices = None;
+        let env = worker_env(&spec(), &view(), 1, 0, false, &l, file).unwrap();
+        assert_eq!(get(&env, "CUDA_VISIBLE_DEVICES"), Some("1"));
+        l.cuda_visible_devices = Some("4".into());
+        assert!(matches!(
+            worker_env(&spec(), &view(), 1, 0, false, &l, file),
+            Err(EnvError::NoDeviceForRank { local_rank: 1, .. })
+        ));
+        let plain = env_of(&spec(), &view(), 1, 0, false).unwrap();
+        assert_eq!(get(&plain, "LOCAL_RANK"), Some("1"));
+        assert_eq!(get(&plain, "CUDA_VISIBLE_DEVICES"), None);
     }
 
     #[test]

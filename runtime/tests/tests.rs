@@ -11,6 +11,8 @@ mod agent;
 mod agent_decide;
 #[path = "suite/c10d.rs"]
 mod c10d;
+#[path = "suite/console.rs"]
+mod console;
 #[path = "suite/elastic.rs"]
 mod elastic;
 #[path = "suite/store_sink.rs"]

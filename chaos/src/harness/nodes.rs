@@ -197,6 +197,9 @@ impl Run<'_> {
             .arg(&staging)
             .arg("--events-file")
             .arg(self.out.join(EVENTS_FILE))
+            // Workers' lines are read back by rank (`end_state.rs`): teed, prefixed, and kept.
+            .args(["--tee", "3", "--log-dir"])
+            .arg(logs.join(format!("{name}.workers")))
             .arg("--")
             .arg(&self.tools.python)
             .arg(&self.tools.example)
@@ -210,6 +213,7 @@ impl Run<'_> {
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .envs(node_env.iter().map(|(k, v)| (k, v)))
             .env("ELASTIC_LOG", "info")
+            .env("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank ${rank}] ")
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(logs.join(format!("{name}.out")))?)
             .stderr(std::fs::File::create(logs.join(format!("{name}.err")))?);

@@ -201,7 +201,11 @@ impl Agent {
                     "job failed"
                 );
                 if let Some(f) = f {
+                    // After the workers' last teed lines, then torchrun's root-cause summary.
+                    crate::output::flush(Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS)).await;
                     eprintln!("elastic-run: {f}");
+                    let name = crate::supervisor::entrypoint_name(&self.node.sup_cfg.argv);
+                    eprintln!("{}", f.summary(&name, &crate::supervisor::host_name()));
                 }
                 let _ = flush(
                     committer,

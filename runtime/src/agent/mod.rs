@@ -1,6 +1,7 @@
 //! The node agent: turns the command line into a worker spec, follows the job's membership,
 //! runs one worker group per generation through the supervisor, streams the workers'
-//! snapshots to the checkpoint store, and drains on SIGTERM, SIGINT or a preemption notice.
+//! snapshots to the checkpoint store, and drains on a handled signal (`--signals-to-handle`:
+//! SIGTERM, SIGINT, ...) or a preemption notice.
 //!
 //! # Membership
 //!
@@ -34,7 +35,8 @@
 //!
 //! # Signals and drains
 //!
-//! The first SIGTERM or SIGINT (or a preemption notice) starts a drain of `--preemption-grace`:
+//! The first handled signal (SIGTERM, SIGINT, any of `--signals-to-handle`) or a preemption
+//! notice starts a drain of `--preemption-grace`:
 //! in etcd mode the node first announces it (peers ask their workers to stop too), then
 //! `should_stop` turns true on the worker socket, workers agree on a step, save it and exit 0,
 //! the agent commits what they staged, reports the commit and leaves (revoking its lease, so
@@ -90,10 +92,12 @@ use crate::notice;
 use crate::pipeline::StepTracker;
 use crate::pipeline::StoreSink;
 use crate::state::{AgentState, Received};
-use crate::supervisor::SupervisorConfig;
+use crate::supervisor::{Launcher, SupervisorConfig};
 use crate::worker_env::{GenerationView, WorkerSpec};
 
-/// SIGTERM to SIGKILL when the agent stops a worker group outside a drain.
+/// SIGTERM to SIGKILL when the agent stops a worker group outside a drain, unless
+/// `--shutdown-timeout` or `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` says (torchrun's default is 30 s;
+/// here a fast recovery matters more).
 pub const STOP_GRACE_MS: u64 = 5_000;
 /// How long the agent waits for queued worker output to be written before it exits.
 const OUTPUT_FLUSH_MS: u64 = 5_000;
@@ -121,8 +125,19 @@ pub async fn run(cli: Cli) -> Result<u8> {
 
 /// The agent's phases: start, run generations until one ends the node, shut down.
 async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: String) -> Result<u8> {
+    // torchrun's launcher flags: checked before anything is made.
+    let launcher = Arc::new(Launcher::from_cli(&cli, &run_id).map_err(config::usage)?);
+    let env_grace = std::env::var(crate::supervisor::SHUTDOWN_TIMEOUT_ENV).ok();
+    let stop_grace = crate::supervisor::stop_grace(
+        cli.shutdown_timeout,
+        env_grace.as_deref(),
+        Duration::from_millis(STOP_GRACE_MS),
+    )
+    .map_err(config::usage)?;
+    crate::signals::handle(&cli.signals_to_handle.numbers);
     let (mut agent, services) = start::start(cli, mode, nproc, node_id, run_id).await?;
-    let code = agent.run().await?;
+    agent.node.sup_cfg.stop_grace = stop_grace;
+    let code = agent.run(&launcher).await?;
     agent.node.events.emit(Event::Exit { code });
     services.stop(agent.committer).await;
     Ok(code)
@@ -210,7 +225,7 @@ impl Services {
 impl Agent {
     /// One generation after another: wait for it, restore its resume step, run its worker
     /// group, decide what the ending means. Returns the exit code.
-    async fn run(&mut self) -> Result<u8> {
+    async fn run(&mut self, launcher: &Arc<Launcher>) -> Result<u8> {
         loop {
             let (view, generation) = match self.next_generation().await? {
                 Next::Run(v, g) => (*v, g),
@@ -228,7 +243,7 @@ impl Agent {
                     generation.as_deref(),
                     self.last_step_reached,
                 );
-                let ended = self.run_group(&view, generation.as_ref()).await?;
+                let ended = self.run_group(&view, generation.as_ref(), launcher).await?;
                 self.after_group(ended, &view, generation.as_ref()).await
             }
             .instrument(span)

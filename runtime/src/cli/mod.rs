@@ -196,8 +196,11 @@ pub struct Cli {
     pub event_log_handler: EventLogHandler,
 
     /// Base directory for the workers' log files, torchrun's layout:
-    /// `DIR/RUN_ID_XXXX/attempt_N/LOCAL_RANK/{stdout,stderr}.log` and `error.json`.
-    /// Default: a new temporary directory when `--redirects` or `--tee` needs one.
+    /// `DIR/RUN_ID_XXXX/attempt_N/LOCAL_RANK/{stdout,stderr}.log` and `error.json`, one
+    /// `RUN_ID_XXXX` per agent. `N` counts the worker groups this agent started (0, 1, ...;
+    /// torchrun's restart count, except that a membership change also starts a new group), so
+    /// no group's logs overwrite another's. Default: a new temporary directory
+    /// (`torchelastic_XXXX`) when `--redirects` or `--tee` needs one.
     #[arg(long = "log-dir", alias = "log_dir", env = "PET_LOG_DIR")]
     pub log_dir: Option<PathBuf>,
 
@@ -241,7 +244,8 @@ pub struct Cli {
     pub signals_to_handle: Signals,
 
     /// Seconds between SIGTERM and SIGKILL when the agent stops its workers (default
-    /// `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else 30). A drain waits `--preemption-grace` instead.
+    /// `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else 5: torchrun waits 30, but a quick recovery
+    /// matters more here). A drain waits `--preemption-grace` instead.
     #[arg(long = "shutdown-timeout", alias = "shutdown_timeout", env = "PET_SHUTDOWN_TIMEOUT",
           value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub shutdown_timeout: Option<u64>,

@@ -29,7 +29,12 @@ pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// The prefix of teed lines the suite reads workers' output by: `[rank N] ` (global rank).
+pub const RANK_PREFIX_TEMPLATE: &str = "[rank ${rank}] ";
+
 /// `elastic-run` with a private staging dir and a clean `PET_*`/`ELASTIC_*` environment.
+/// Workers' output is teed (`PET_TEE=3`, logs under `tmp/logs`) with `[rank N] ` prefixes,
+/// which the tests read it by; `console.rs` checks the default (inherited) streams itself.
 pub fn agent(tmp: &Path) -> Command {
     let mut c = Command::new(BIN);
     for (k, _) in std::env::vars_os() {
@@ -40,6 +45,12 @@ pub fn agent(tmp: &Path) -> Command {
     }
     c.env("ELASTIC_STAGING_DIR", tmp.join("staging"))
         .env("ELASTIC_LOG", "info")
+        .env("PET_TEE", "3")
+        .env("PET_LOG_DIR", tmp.join("logs"))
+        .env(
+            "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+            RANK_PREFIX_TEMPLATE,
+        )
         .current_dir(tmp);
     c
 }
