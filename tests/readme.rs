@@ -1,6 +1,6 @@
 //! Every `elastic-run` command line that README.md shows in a code block, and every example in
 //! `elastic-run --help`, runs: the line's own flags, with its placeholders made real. The etcd
-//! endpoint becomes a local etcd, `s3://bucket/...` a bucket in moto, `file:///tmp/...` a
+//! endpoint becomes a local etcd (a free local port under c10d, which the agents serve), `s3://bucket/...` a bucket in moto, `file:///tmp/...` a
 //! temporary directory, the training command `examples/ddp_train.py` for a few steps, and
 //! `--nproc-per-node` 1 (each line still says how many); a line with `--nnodes MIN:MAX` runs on MIN agents, as every
 //! node runs the same line.
@@ -97,6 +97,16 @@ fn run_line(line: &str, svc: &Services, tmp: &Path, n: usize) {
                 args.push("--".into());
                 in_command = true;
                 i += 1;
+            }
+            // c10d: the agents serve the rendezvous themselves, on a free local port.
+            ("--rdzv-endpoint", Some(_)) if line.contains("--rdzv-backend c10d") => {
+                let port = std::net::TcpListener::bind(("127.0.0.1", 0))
+                    .unwrap()
+                    .local_addr()
+                    .unwrap()
+                    .port();
+                args.extend(["--rdzv-endpoint".into(), format!("localhost:{port}")]);
+                i += 2;
             }
             ("--rdzv-endpoint", Some(_)) => {
                 args.extend(["--rdzv-endpoint".into(), svc.etcd.host_port()]);

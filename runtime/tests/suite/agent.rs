@@ -141,11 +141,15 @@ fn bad_flags_and_values_exit_2_with_a_message() {
     let cases: &[(&[&str], &str)] = &[
         (&["--nproc-per-node", "many", "x.py"], "nproc-per-node"),
         (&["--bogus", "x.py"], "--bogus"),
-        (&["--rdzv-backend", "c10d", "x.py"], "c10d"),
+        (
+            &["--nnodes", "1:2", "--rdzv-backend", "c10d", "x.py"],
+            "c10d needs --rdzv-endpoint",
+        ),
+        (&["--rdzv-backend", "zookeeper", "x.py"], "zookeeper"),
         (&["--preemption-grace", "soon", "x.py"], "preemption-grace"),
         (&["--lr-scaling", "fixed", "x.py"], "batch-size"),
         (
-            &["--nnodes", "2:4", "--rdzv-endpoint", "h:2379", "x.py"],
+            &["--nnodes", "2:4", "--rdzv-backend", "static", "x.py"],
             "needs an elastic backend",
         ),
         (

@@ -35,6 +35,7 @@ fn launcher(tmp: &Path) -> Command {
         .env("TEST_SENTINEL_PARENT", "FOOBAR")
         .env_remove("PET_TEE")
         .env_remove("PET_REDIRECTS")
+        .env_remove("PET_LOG_DIR")
         .env_remove("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE");
     c
 }
