@@ -5,3 +5,4 @@
 mod real_services;
 #[cfg(feature = "tch")]
 mod tch_worker;
+mod wheel;
