@@ -7,3 +7,4 @@ mod readme;
 mod real_services;
 #[cfg(feature = "tch")]
 mod tch_worker;
+mod wheel;

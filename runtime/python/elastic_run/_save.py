@@ -238,9 +238,10 @@ def _write_safetensors(path, tensors, metadata):
     ``os.write`` releases the GIL, so a writer thread lets training go on meanwhile."""
     import struct
 
-    import torch
-
     names = sorted(tensors)
+    if names:
+        # Only torch makes tensors: a state of JSON values alone is written without it.
+        import torch
     header, off = {}, 0
     for n in names:
         t = tensors[n]
