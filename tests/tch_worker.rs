@@ -86,7 +86,7 @@ fn tch_worker_drains_and_resumes_bitwise_equal() {
         let l = l.unwrap();
         seen.push_str(&l);
         seen.push('\n');
-        if l.contains("] step 15 ") {
+        if l.contains("step 15 loss") {
             break;
         }
         assert!(Instant::now() < deadline, "{seen}");

@@ -323,7 +323,7 @@ async fn killed_leader_is_replaced_and_survivors_reform() {
     child.wait_line("REGISTERED", Duration::from_secs(20));
     let mut a = Rendezvous::join(cfg(&ep, "lead", "a")).await.unwrap();
     let b = Rendezvous::join(cfg(&ep, "lead", "b")).await.unwrap();
-    until(&a, 5_000, "boss leading", |s| {
+    until(&a, 15_000, "boss leading", |s| {
         s.leader.as_deref() == Some("boss")
     })
     .await;
