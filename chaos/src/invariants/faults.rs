@@ -115,6 +115,18 @@ fn fenced_at(events: &[Record], node: usize, t: u64) -> bool {
     }
 }
 
+/// Whether node `node` was cut off from etcd (a partition or a blackhole of it in effect) at
+/// `t`: like a fenced node, it cannot tell its peers of a drain, and is fenced moments later.
+fn cut_off_at(fired: &[Fired], node: usize, t: u64) -> bool {
+    fired.iter().any(|f| {
+        f.skipped.is_none()
+            && f.fault.node == node
+            && matches!(f.fault.kind, FaultKind::Partition | FaultKind::Blackhole)
+            && f.at_unix_ms <= t
+            && t <= f.at_unix_ms + f.fault.duration_ms
+    })
+}
+
 /// Whether some node's staging filesystem was full at `t`. A drain's step needs every rank's
 /// part, so one full node makes the whole drain's save fail, wherever the preemption hit.
 fn staging_full_anywhere_at(fired: &[Fired], t: u64) -> bool {
@@ -182,6 +194,7 @@ pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]
             // lacks that node's part.
             k if k.is_preemption()
                 && (fenced_at(events, e.node, e.at_unix_ms)
+                    || cut_off_at(fired, e.node, e.at_unix_ms)
                     || staging_full_anywhere_at(fired, e.at_unix_ms)) =>
             {
                 Some(crash_bound)
@@ -416,6 +429,33 @@ mod tests {
         assert!(lost_ok(&evs));
         evs.push(joined(3450, "node2", true));
         assert!(!lost_ok(&evs), "joined again before the signal");
+        // ...or unless it was cut off from etcd when the signal came (fenced only later).
+        for kind in [FaultKind::Blackhole, FaultKind::Partition] {
+            let mut f = fired(FaultKind::SigtermAgent);
+            let cut = |node: usize, duration_ms: u64| Fired {
+                fault: Fault {
+                    at_ms: 0,
+                    kind,
+                    node,
+                    duration_ms,
+                    delay_ms: 0,
+                },
+                at_unix_ms: 3_000,
+                skipped: None,
+            };
+            f.insert(0, cut(2, 2_000));
+            assert!(lost_work_check(&s, &evs, &f).ok, "{kind:?}");
+            f[0] = cut(1, 2_000);
+            assert!(
+                !lost_work_check(&s, &evs, &f).ok,
+                "{kind:?} of another node"
+            );
+            f[0] = cut(2, 100);
+            assert!(
+                !lost_work_check(&s, &evs, &f).ok,
+                "{kind:?} over before the signal"
+            );
+        }
         // A full staging filesystem on any node makes the drain's save fail.
         let mut f = fired(FaultKind::SigtermAgent);
         f.insert(
