@@ -676,6 +676,7 @@ fn generations(pod: &LocalPod) -> Vec<u32> {
 
 #[test]
 fn core_job_pods_train_drain_be_replaced_and_finish_on_the_manifest_etcd() {
+    let _bin = crate::bin_in_use();
     elastic_run_built();
     let dir = examples_dir();
     let moto = services::moto().expect("moto starts");
@@ -899,6 +900,7 @@ fn operator_env(job: &Value) -> Vec<(String, String)> {
 
 #[test]
 fn pytorchjob_worker_pods_train_with_the_c10d_rendezvous_of_worker_0() {
+    let _bin = crate::bin_in_use();
     elastic_run_built();
     let moto = services::moto().expect("moto starts");
     let job = &yaml_docs(&examples_dir().join("pytorchjob.yaml"))[0];

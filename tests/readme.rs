@@ -215,6 +215,7 @@ fn run_line(line: &str, svc: &Services, tmp: &Path, n: usize) {
 
 #[test]
 fn every_elastic_run_line_of_the_readme_and_help_runs() {
+    let _bin = crate::bin_in_use();
     let readme = readme_lines("elastic-run");
     // The README opens with the line a torchrun user writes: an endpoint, elastic --nnodes, no
     // backend. It must be among the lines found, or this test reads nothing.

@@ -68,6 +68,7 @@ fn finish(c: &mut Command) -> String {
 
 #[test]
 fn tch_worker_drains_and_resumes_bitwise_equal() {
+    let _bin = crate::bin_in_use();
     let tmp = tempfile::tempdir().unwrap();
     let straight = finish(&mut run_tch(
         &format!("file://{}/a", tmp.path().display()),
@@ -118,6 +119,7 @@ fn tch_worker_drains_and_resumes_bitwise_equal() {
 
 #[test]
 fn rust_and_python_clients_split_a_snapshot_the_same_way() {
+    let _bin = crate::bin_in_use();
     let sizes: std::collections::BTreeMap<String, u64> = (0..40u64)
         .map(|i| (format!("t{i:02}"), (i * 7919) % 1000 + 1))
         .collect();

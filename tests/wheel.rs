@@ -291,6 +291,7 @@ fn pip_wheel_runs_a_two_node_job_that_survives_a_sigkill() {
         std::env::join_paths(dirs).unwrap()
     };
     let build_started = Instant::now();
+    let rebuilding = crate::BIN_LOCK.write().unwrap_or_else(|e| e.into_inner());
     for (i, line) in build.iter().enumerate() {
         let line = with_dev_profile(line);
         let mut c = Command::new("bash");
@@ -324,6 +325,7 @@ fn pip_wheel_runs_a_two_node_job_that_survives_a_sigkill() {
         );
         eprintln!("wheel: `{line}` took {:?}", started.elapsed());
     }
+    drop(rebuilding);
     eprintln!("wheel: the build lines took {:?}", build_started.elapsed());
 
     // A fresh environment, and the README's install line in it.
