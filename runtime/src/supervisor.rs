@@ -792,11 +792,21 @@ fn spawn_worker(
         .stderr(stderr)
         .process_group(0)
         .kill_on_drop(true);
+    // SAFETY: the hook runs between fork and exec and calls only async-signal-safe functions.
+    unsafe { cmd.pre_exec(die_with_agent()) };
+    cmd.spawn()
+}
+
+/// A `pre_exec` hook for a child of the agent (a worker, a served etcd): the child gets
+/// `PR_SET_PDEATHSIG=SIGKILL`, so it dies with the agent even on SIGKILL, and kills itself if
+/// the agent already died between fork and prctl. The death signal fires when the forking
+/// *thread* exits, so the child must be spawned from the agent's main thread. The hook calls
+/// only async-signal-safe functions (prctl, getppid, kill, getpid).
+pub(crate) fn die_with_agent() -> impl FnMut() -> std::io::Result<()> + Send + Sync + 'static {
     let agent_pid = std::process::id() as libc::pid_t;
-    // SAFETY: the closure runs between fork and exec and calls only async-signal-safe
-    // functions (prctl, getppid, kill, getpid).
-    unsafe {
-        cmd.pre_exec(move || {
+    move || {
+        // SAFETY: prctl, getppid, kill and getpid are async-signal-safe and take no pointers.
+        unsafe {
             if libc::prctl(
                 libc::PR_SET_PDEATHSIG,
                 libc::SIGKILL as libc::c_ulong,
@@ -811,10 +821,9 @@ fn spawn_worker(
             if libc::getppid() != agent_pid {
                 libc::kill(libc::getpid(), libc::SIGKILL);
             }
-            Ok(())
-        });
+        }
+        Ok(())
     }
-    cmd.spawn()
 }
 
 /// The exit code to report: the worker's own, or 128 + the signal that killed it (the shell's

@@ -513,28 +513,9 @@ impl Etcd {
                 cmd.env_remove(&k);
             }
         }
-        let agent_pid = std::process::id() as libc::pid_t;
-        // SAFETY: the closure runs between fork and exec and calls only async-signal-safe
-        // functions (prctl, getppid, kill, getpid).
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(
-                    libc::PR_SET_PDEATHSIG,
-                    libc::SIGKILL as libc::c_ulong,
-                    0,
-                    0,
-                    0,
-                ) != 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The agent may have died between fork and prctl: then nobody will signal us.
-                if libc::getppid() != agent_pid {
-                    libc::kill(libc::getpid(), libc::SIGKILL);
-                }
-                Ok(())
-            });
-        }
+        // SAFETY: the hook runs between fork and exec and calls only async-signal-safe
+        // functions.
+        unsafe { cmd.pre_exec(crate::supervisor::die_with_agent()) };
         let child = cmd.spawn()?;
         // The pipe's write ends live in etcd alone now: its exit ends the reader.
         drop(cmd);
