@@ -27,7 +27,8 @@
 //!   and static runs decide with it here, etcd runs take the leader's decision from the
 //!   generation record.
 //! - [`supervisor`]: starts, watches and stops the workers of one node (process groups,
-//!   `PR_SET_PDEATHSIG`, hang watchdog, torchrun's root-cause summary of a failure); [`logs`]
+//!   `PR_SET_PDEATHSIG`, hang watchdog); [`failure`] is what a failed worker reports
+//!   (torchrun's root-cause summary, the `@record` error file); [`logs`]
 //!   says where each worker's stdout and stderr go (inherited by default; `--redirects`,
 //!   `--tee`, `--log-dir` in torchrun's layout), and [`output`] copies teed lines to their
 //!   files and, prefixed, to the console.
@@ -55,6 +56,7 @@ pub mod agent;
 pub mod agent_socket;
 pub mod cli;
 pub mod events;
+pub mod failure;
 pub mod logging;
 pub mod logs;
 pub mod metrics;
