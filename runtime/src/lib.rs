@@ -9,7 +9,7 @@
 //!   group must do when etcd's view changes and what follows the end of a group (table:
 //!   `testdata/agent_decide.json`); `config.rs` reads the command line; `start.rs` creates
 //!   what the agent runs with; `rdzv_host.rs` finds or serves the etcd of `--rdzv-backend
-//!   c10d`; `membership.rs` follows the job (fixed, or an etcd member);
+//!   c10d` at the endpoint `rdzv_endpoint.rs` parses and matches against this machine; `membership.rs` follows the job (fixed, or an etcd member);
 //!   `group.rs` runs one worker group; `after.rs` carries out the decision; `drain.rs`,
 //!   `committer.rs` (the agent's commit queue) and `dirs.rs` (run and staging directories)
 //!   serve them. [`signals`] and [`notice`] (cloud preemption notices; `notice/`: the

@@ -59,6 +59,7 @@ mod dirs;
 mod drain;
 mod group;
 mod membership;
+mod rdzv_endpoint;
 mod rdzv_host;
 mod start;
 
