@@ -3,34 +3,11 @@
 //! agent decides what a signal means (every handled signal drains, as SIGTERM does: SLURM's
 //! SIGUSR1 pre-termination notice is one; the second is forwarded) instead of dying.
 
-use std::sync::OnceLock;
-
 use anyhow::{Context, Result};
-use signal_hook::consts::{SIGINT, SIGTERM};
 use tokio::sync::mpsc;
 
 /// Signals queued before the agent loop reads them; more are dropped (they mean the same).
 const QUEUE_MAX: usize = 8;
-
-/// The signals [`listen`] catches. A signal's disposition is the process's, so this choice is
-/// too: the agent makes it once, from its command line, before it starts listening.
-static HANDLED: OnceLock<Vec<i32>> = OnceLock::new();
-
-/// Chooses the signals [`listen`] catches (SIGTERM and SIGINT when never chosen). Returns
-/// false, changing nothing, when they were chosen already.
-pub fn handle(numbers: &[i32]) -> bool {
-    HANDLED.set(numbers.to_vec()).is_ok()
-}
-
-/// The signals [`listen`] catches.
-pub fn handled() -> &'static [i32] {
-    HANDLED.get_or_init(|| vec![SIGTERM, SIGINT])
-}
-
-/// Starts listening; every handled signal from now on arrives on the returned channel.
-pub fn listen() -> Result<mpsc::Receiver<i32>> {
-    listen_to(handled())
-}
 
 /// Starts listening to `numbers`, which `--signals-to-handle` limits to signals a process may
 /// catch (signal-hook panics on SIGKILL or SIGSTOP).

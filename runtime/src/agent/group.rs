@@ -18,7 +18,7 @@ use super::{Agent, FLUSH_TIMEOUT_MS};
 use crate::events::{DrainReason, Event};
 use crate::notice;
 use crate::pipeline::StepToCommit;
-use crate::supervisor::{self, Command, Launcher, Outcome};
+use crate::supervisor::{self, Command, Outcome};
 use crate::worker_env::GenerationView;
 
 /// How often the agent looks for the first step of a new worker group.
@@ -36,7 +36,6 @@ impl Agent {
         &mut self,
         view: &GenerationView,
         running_gen: Option<&Arc<Generation>>,
-        launcher: &Arc<Launcher>,
     ) -> Result<GroupEnd> {
         let Agent {
             node,
@@ -61,7 +60,7 @@ impl Agent {
                 node.spec.clone(),
                 view.clone(),
                 *restarts,
-                launcher.clone(),
+                node.launcher.clone(),
                 state.clone(),
                 cmd_rx,
             )

@@ -126,19 +126,8 @@ pub async fn run(cli: Cli) -> Result<u8> {
 
 /// The agent's phases: start, run generations until one ends the node, shut down.
 async fn run_node(cli: Cli, mode: Mode, nproc: u32, node_id: String, run_id: String) -> Result<u8> {
-    // torchrun's launcher flags: checked before anything is made.
-    let launcher = Arc::new(Launcher::from_cli(&cli, &run_id).map_err(config::usage)?);
-    let env_grace = std::env::var(crate::supervisor::SHUTDOWN_TIMEOUT_ENV).ok();
-    let stop_grace = crate::supervisor::stop_grace(
-        cli.shutdown_timeout,
-        env_grace.as_deref(),
-        Duration::from_millis(STOP_GRACE_MS),
-    )
-    .map_err(config::usage)?;
-    crate::signals::handle(&cli.signals_to_handle.numbers);
     let (mut agent, services) = start::start(cli, mode, nproc, node_id, run_id).await?;
-    agent.node.sup_cfg.stop_grace = stop_grace;
-    let code = agent.run(&launcher).await?;
+    let code = agent.run().await?;
     agent.node.events.emit(Event::Exit { code });
     services.stop(agent.committer).await;
     Ok(code)
@@ -152,6 +141,8 @@ struct Node {
     scaling: elastic::ScalingConfig,
     spec: WorkerSpec,
     sup_cfg: SupervisorConfig,
+    /// Where the workers' output goes (`--redirects`, `--tee`, `--log-dir`, ...).
+    launcher: Arc<Launcher>,
     state: Arc<AgentState>,
     sink: Arc<StoreSink>,
     events: Arc<Events>,
@@ -226,7 +217,7 @@ impl Services {
 impl Agent {
     /// One generation after another: wait for it, restore its resume step, run its worker
     /// group, decide what the ending means. Returns the exit code.
-    async fn run(&mut self, launcher: &Arc<Launcher>) -> Result<u8> {
+    async fn run(&mut self) -> Result<u8> {
         loop {
             let (view, generation) = match self.next_generation().await? {
                 Next::Run(v, g) => (*v, g),
@@ -244,7 +235,7 @@ impl Agent {
                     generation.as_deref(),
                     self.last_step_reached,
                 );
-                let ended = self.run_group(&view, generation.as_ref(), launcher).await?;
+                let ended = self.run_group(&view, generation.as_ref()).await?;
                 self.after_group(ended, &view, generation.as_ref()).await
             }
             .instrument(span)

@@ -24,7 +24,7 @@ use crate::notice;
 use crate::pipeline::StepTracker;
 use crate::pipeline::{SinkOptions, StoreSink};
 use crate::state::{AgentState, Received};
-use crate::supervisor::SupervisorConfig;
+use crate::supervisor::{Launcher, SupervisorConfig};
 use crate::worker_env::{GenerationView, WorkerSpec};
 
 /// Checks the configuration, creates what the agent runs with, and joins the job.
@@ -39,6 +39,15 @@ pub(super) async fn start(
     let scaling_cfg = scaling_config(&cli, nproc);
     scaling_cfg.validate().map_err(|e| usage(e.to_string()))?;
     let argv = worker_argv(&cli)?;
+    // torchrun's launcher flags: where workers' output goes, and how long they get to stop.
+    let launcher = Arc::new(Launcher::from_cli(&cli, &run_id).map_err(usage)?);
+    let env_grace = std::env::var(crate::supervisor::SHUTDOWN_TIMEOUT_ENV).ok();
+    let stop_grace = crate::supervisor::stop_grace(
+        cli.shutdown_timeout,
+        env_grace.as_deref(),
+        Duration::from_millis(STOP_GRACE_MS),
+    )
+    .map_err(usage)?;
     let rdzv_cfg = match mode {
         Mode::Etcd { .. } => Some(rendezvous_config(&cli, &node_id, nproc, &scaling_cfg)?),
         _ => None,
@@ -90,12 +99,12 @@ pub(super) async fn start(
         monitor_interval: cli.monitor_interval,
         hang_timeout: cli.hang_timeout,
         startup_timeout: cli.startup_timeout,
-        stop_grace: Duration::from_millis(STOP_GRACE_MS),
+        stop_grace,
         omp_num_threads_set: std::env::var_os("OMP_NUM_THREADS").is_some(),
     };
 
     // Signals first: a SIGTERM from here on drains instead of killing the agent.
-    let signals = crate::signals::listen()?;
+    let signals = crate::signals::listen_to(&cli.signals_to_handle.numbers)?;
 
     let state = Arc::new(AgentState::new(staging.clone()));
     let listener = tokio::net::UnixListener::bind(&socket_path)
@@ -144,6 +153,7 @@ pub(super) async fn start(
         scaling: scaling_cfg,
         spec,
         sup_cfg,
+        launcher,
         state: state.clone(),
         sink: sink.clone(),
         events: events.clone(),
