@@ -4,27 +4,19 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
-use etcd_client::{Client, PutOptions, Txn, TxnOp};
+use etcd_client::{Client, PutOptions};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::RendezvousConfig;
+use super::commit::Reporter;
 use super::ops;
 use super::state::{job_state_error, write_state};
 use crate::keys::Keys;
-use crate::record::{
-    self, CommitRecord, Generation, JobState, LeaderRecord, Outcome, WaitingRecord,
-};
+use crate::record::{self, CommitRecord, Generation, JobState, Outcome, WaitingRecord};
 use crate::{Error, Result};
-
-/// How long past one lease TTL `report_commit` keeps trying through a leader change (the
-/// commit key hangs on the leader's lease) or concurrent writers.
-const COMMIT_GRACE_MS: u64 = 2_000;
-const COMMIT_RETRY_PAUSE_MS: u64 = 100;
 
 /// What a handle knows about the job right now.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -56,6 +48,9 @@ pub struct Handle {
     pub(super) compacted_watches: Arc<AtomicU64>,
     /// The newest step [`Handle::note_commit`] was given, plus one (0: none).
     pub(super) known_commit: Arc<AtomicU64>,
+    pub(super) reporter: Arc<Reporter>,
+    /// Feeds the background reporter: the newest step given to `record_commit`, plus one.
+    pub(super) newest_commit_tx: watch::Sender<u64>,
     pub(super) tasks: Vec<JoinHandle<()>>,
     pub(super) span: tracing::Span,
 }
@@ -174,64 +169,26 @@ impl Handle {
     /// Records `step` as the newest committed checkpoint step, unless a newer one is already
     /// recorded. Used for `AfterCommit` admission and for the next generation's resume step.
     /// Notes it first ([`Handle::note_commit`]), so a report that fails is not forgotten.
+    /// Waits for etcd (up to one lease TTL plus a grace); a loop that must not wait uses
+    /// [`Handle::record_commit`].
     pub async fn report_commit(&self, step: u64) -> Result<()> {
         self.note_commit(step);
-        let mut client = self.client.clone();
-        let timeout_ms = self.cfg.connect.request_timeout_ms;
-        let commit_key = self.keys.commit();
-        let budget_ms = self.cfg.lease_ttl_ms + COMMIT_GRACE_MS;
-        let give_up_at = Instant::now() + Duration::from_millis(budget_ms);
-        while Instant::now() < give_up_at {
-            if let Some(reason) = self.fenced_rx.borrow().clone() {
-                return Err(self.fenced_error(reason));
+        self.reporter.report(step).await
+    }
+
+    /// Notes `step` ([`Handle::note_commit`]) and has the handle's background task record it
+    /// in etcd, without waiting. Steps given while a report is on its way are folded into the
+    /// next one: only the newest is recorded.
+    pub fn record_commit(&self, step: u64) {
+        self.note_commit(step);
+        let want = step.saturating_add(1);
+        self.newest_commit_tx.send_if_modified(|v| {
+            let newer = want > *v;
+            if newer {
+                *v = want;
             }
-            let txn = Txn::new().and_then([
-                TxnOp::get(self.keys.leader(), None),
-                TxnOp::get(commit_key.clone(), None),
-            ]);
-            let resp =
-                ops::bounded("read commit", &commit_key, timeout_ms, client.txn(txn)).await?;
-            let mut leader: Option<LeaderRecord> = None;
-            let mut current: Option<(CommitRecord, i64)> = None;
-            for (i, op) in resp.op_responses().into_iter().enumerate() {
-                if let etcd_client::TxnOpResponse::Get(g) = op
-                    && let Some(kv) = g.kvs().first()
-                {
-                    if i == 0 {
-                        leader = Some(record::parse(&self.keys.leader(), kv.value())?);
-                    } else {
-                        current =
-                            Some((record::parse(&commit_key, kv.value())?, kv.mod_revision()));
-                    }
-                }
-            }
-            if let Some((c, _)) = &current
-                && c.step >= step
-            {
-                return Ok(());
-            }
-            if let Some(leader) = leader {
-                let record = CommitRecord {
-                    version: record::RECORD_VERSION,
-                    step,
-                    committed_unix_ms: ops::now_unix_ms(),
-                    node_id: self.cfg.node_id.clone(),
-                };
-                let prev = current.as_ref().map_or(0, |(_, rev)| *rev);
-                if ops::write_commit(&mut client, &self.keys, &leader, prev, &record, timeout_ms)
-                    .await?
-                {
-                    tracing::info!(parent: &self.span, step, "commit recorded");
-                    return Ok(());
-                }
-            }
-            // No leader right now (takeover) or a concurrent writer: read again.
-            tokio::time::sleep(Duration::from_millis(COMMIT_RETRY_PAUSE_MS)).await;
-        }
-        Err(Error::Timeout {
-            op: "report_commit",
-            after_ms: budget_ms,
-        })
+            newer
+        });
     }
 
     /// Announces that this node leaves soon (preemption). Peers see it at once in

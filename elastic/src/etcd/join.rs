@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::state::clear_stale_state;
-use super::{Handle, RendezvousConfig, Snapshot, driver, lease, ops};
+use super::{Handle, RendezvousConfig, Snapshot, commit, driver, lease, ops};
 use crate::keys::Keys;
 use crate::record::{self, MemberRecord};
 use crate::{Error, Result};
@@ -148,6 +148,19 @@ impl Rendezvous {
                 known_commit: known_commit.clone(),
             };
             let driver_task = tokio::spawn(driver.run().in_current_span());
+            let span = tracing::Span::current();
+            let reporter = Arc::new(commit::Reporter {
+                client: client.clone(),
+                keys: keys.clone(),
+                cfg: cfg.clone(),
+                fenced_rx: fenced_rx.clone(),
+                span: span.clone(),
+            });
+            let (newest_commit_tx, newest_commit_rx) = watch::channel(0u64);
+            let reporter_task = tokio::spawn(
+                commit::report_in_background(reporter.clone(), newest_commit_rx, cancel.clone())
+                    .in_current_span(),
+            );
             Ok(Handle {
                 client,
                 keys,
@@ -159,8 +172,10 @@ impl Rendezvous {
                 last_returned: None,
                 compacted_watches,
                 known_commit,
-                tasks: vec![keeper_task, driver_task],
-                span: tracing::Span::current(),
+                reporter,
+                newest_commit_tx,
+                tasks: vec![keeper_task, driver_task, reporter_task],
+                span,
             })
         }
         .instrument(span)

@@ -5,7 +5,7 @@
 //! - `connect.rs`: how to reach etcd ([`Connect`]: endpoints, [`Auth`], [`Tls`]).
 //! - `config.rs`: [`RendezvousConfig`] and its checks.
 //! - `join.rs`: [`Rendezvous::join`]: registration under a fresh lease, the `MASTER_PORT`
-//!   reservation, and the start of the two background tasks.
+//!   reservation, and the start of the three background tasks.
 //! - `handle.rs`: the agent's [`Handle`] and the [`Snapshot`] it reads.
 //! - `lease.rs`: lease renewal, and fencing before the TTL ends (first background task).
 //! - `driver.rs`: the per-handle task (second background task): read, watch, publish the
@@ -16,6 +16,8 @@
 //! - `epoch.rs`: the leader's upkeep of `ctl/epoch` on its retention lease.
 //! - `state.rs`: the job's outcome (`ctl/state`): finish, fail, and a stale one cleared.
 //! - `status.rs`: [`status`], a job read without joining.
+//! - `commit.rs`: recording commits in `ctl/commit`, awaited or by the handle's third
+//!   background task, which never holds up the agent's loop.
 //! - `ops.rs`: single fenced etcd operations ([`campaign`], [`write_generation`]).
 //!
 //! # Timing
@@ -38,6 +40,7 @@
 //!   re-reads the job and watches again from there; [`Handle::watch_compactions_total`]
 //!   counts it.
 
+mod commit;
 mod config;
 mod connect;
 mod driver;

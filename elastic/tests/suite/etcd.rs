@@ -1611,3 +1611,66 @@ async fn watch_behind_a_compaction_re_reads_and_keeps_following_generations() {
     a.leave().await.unwrap();
     f.leave().await.unwrap();
 }
+
+/// `record_commit` never waits on etcd: with this member's connection stalled it returns at
+/// once, steps given meanwhile fold into one report, and the newest is in `ctl/commit` once
+/// the connection moves again. (An agent's loop calls it; awaiting a report there held the
+/// next checkpoint, signals and the fence behind an unreachable etcd.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_commit_returns_at_once_while_etcd_is_stalled_and_records_the_newest_later() {
+    let _g = serial().await;
+    let etcd = services::etcd().unwrap();
+    let ep = etcd.endpoint();
+    let proxy = PausableProxy::start(etcd.service.addr()).await;
+    let job = "record-soon";
+    let mut c = cfg(&format!("http://127.0.0.1:{}", proxy.port), job, "a");
+    // Long enough that the stall below does not fence it.
+    c.lease_ttl_ms = 30_000;
+    let mut a = Rendezvous::join(c).await.unwrap();
+    let _ = next(&mut a, 10_000).await;
+    a.record_commit(5);
+    let read = || async {
+        status(&Connect::new([ep.as_str()]), job)
+            .await
+            .unwrap()
+            .latest_commit
+            .map(|c| c.step)
+    };
+    let t = Instant::now();
+    while read().await != Some(5) {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "step 5 never recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    proxy.paused.send_replace(true);
+    let t0 = Instant::now();
+    for step in [10, 15, 20] {
+        a.record_commit(step);
+    }
+    assert!(
+        t0.elapsed() < Duration::from_millis(100),
+        "record_commit waited {} ms on a stalled etcd",
+        t0.elapsed().as_millis()
+    );
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(
+        read().await,
+        Some(5),
+        "recorded through a stalled connection?"
+    );
+
+    proxy.paused.send_replace(false);
+    let t = Instant::now();
+    while read().await != Some(20) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "step 20 not recorded after the stall: {:?}",
+            read().await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    a.leave().await.unwrap();
+}

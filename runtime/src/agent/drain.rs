@@ -1,4 +1,4 @@
-//! Drains: this node's (a signal or a preemption notice; announced to peers first) or a
+//! Drains: this node's (a signal or a preemption notice: the workers are told, then peers) or a
 //! peer's. Workers that speak the protocol hear `should_stop` and save; the others get
 //! SIGTERM at once; at the deadline the group is stopped.
 
@@ -22,7 +22,7 @@ pub(super) struct Drain {
     pub(super) of: DrainOf,
 }
 
-/// Starts a drain: this node's (announced to peers first), or a peer's.
+/// Starts a drain: this node's (the workers are told first, then peers through etcd), or a peer's.
 pub(super) async fn start_drain(
     node: &Node,
     membership: &Membership,
@@ -30,6 +30,9 @@ pub(super) async fn start_drain(
     of: DrainOf,
 ) -> Drain {
     let now = Instant::now();
+    // The workers first: they agree on the step among themselves, peers' workers included,
+    // so the save does not wait on etcd, which may be slow or unreachable from here.
+    node.state.request_stop();
     if of == DrainOf::Local
         && let Membership::Etcd(m) = membership
         && let Some(h) = &m.handle
@@ -37,7 +40,6 @@ pub(super) async fn start_drain(
     {
         tracing::warn!(error = %e, "cannot announce the drain to peers");
     }
-    node.state.request_stop();
     node.state
         .metrics
         .drains_total

@@ -119,6 +119,19 @@ impl EtcdMember {
         }
     }
 
+    /// As [`EtcdMember::report`], without waiting: the handle's background task records the
+    /// step in etcd. For loops that must stay responsive (signals, fences, the next part)
+    /// while etcd is slow or unreachable from this node.
+    pub(super) fn report_soon(&mut self, step: u64) {
+        self.committed = self.committed.max(Some(step));
+        if self.reported.is_some_and(|r| r >= step) {
+            return;
+        }
+        if let Some(h) = &self.handle {
+            h.record_commit(step);
+        }
+    }
+
     pub(super) fn settle_for_failure(&self) -> Duration {
         Duration::from_millis(self.cfg.lease_ttl_ms + self.cfg.settle_ms + FAILURE_SETTLE_EXTRA_MS)
     }
@@ -167,7 +180,7 @@ pub(super) async fn wait_generation(
             }
             Ok(()) = committed.changed() => {
                 if let Some(step) = *committed.borrow() {
-                    m.report(step).await;
+                    m.report_soon(step);
                 }
                 continue;
             }
