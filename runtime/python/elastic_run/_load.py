@@ -5,9 +5,9 @@ any world size."""
 import os
 import stat
 
-from . import protocol
+from . import _tree, protocol
 from ._env import rank, resume_step, world_size
-from ._save import _unwrap
+from ._save import _state_form, _unwrap
 from .protocol import (
     _META,
     _RESTORED,
@@ -25,10 +25,20 @@ from .protocol import (
 )
 
 
-def load(model=None, optimizer=None, resume_dir=None):
-    """Loads the committed step the agent resumes from (``$ELASTIC_RESUME_DIR``) into ``model``
-    and ``optimizer``, whatever world size saved it. Returns ``(step, extra)``, or None when
-    there is nothing to resume from.
+def load(state=None, optimizer=None, resume_dir=None, *, model=None, strict=True):
+    """Loads the committed step the agent resumes from (``$ELASTIC_RESUME_DIR``), whatever world
+    size saved it.
+
+    ``load(state)`` fills the mapping ``state`` in place, as :func:`save` took it: Stateful
+    entries through ``load_state_dict``, plain values set in the mapping. It returns the step
+    loaded, or None when there is nothing to resume from (``state`` is then left as it is).
+    Every entry of the checkpoint must be in ``state`` and the reverse, and modules load with
+    ``strict=True``: ``strict=False`` allows entries (and module keys) on either side alone.
+    A tensor of another shape or dtype than its target's, or a checkpoint saved in the other
+    form, raises :class:`StateError` naming the entry; nothing is loaded then.
+
+    The older form ``load(model=, optimizer=)`` loads a checkpoint saved by ``save(step,
+    model=, optimizer=, extra=)`` and returns ``(step, extra)``, or None.
 
     Two layouts are read: what the agent restores from the checkpoint store
     (``DIR/rank-$RANK/state.safetensors`` with every tensor this rank needs, and
@@ -37,6 +47,7 @@ def load(model=None, optimizer=None, resume_dir=None):
     ``$ELASTIC_RESUME_STEP`` when that is set. Raises :class:`FormatError` (a ``ValueError``)
     on malformed metadata or tensor files, an unknown format version, a step that does not
     match, or a directory that is neither layout."""
+    state, model = _state_form("load", state, model, optimizer, None)
     from_env = resume_dir is None
     d = resume_dir or os.environ.get("ELASTIC_RESUME_DIR")
     if not d or not os.path.isdir(d):
@@ -51,6 +62,15 @@ def load(model=None, optimizer=None, resume_dir=None):
     expected = resume_step() if from_env else None
     if expected is not None and step != expected:
         raise FormatError(f"{d}: holds step {step}, but ELASTIC_RESUME_STEP is {expected}")
+    if state is not None:
+        if not _tree.is_skeleton(rest):
+            raise _tree.StateError(f"{d}: step {step} was saved with save(step, model=, optimizer=, extra=): "
+                                   "load it with load(model=, optimizer=)")
+        _tree.apply(state, rest, tensors, d, strict=strict)
+        return step
+    if _tree.is_skeleton(rest):
+        raise _tree.StateError(f"{d}: step {step} was saved from a state mapping "
+                               f"({', '.join(map(repr, sorted(rest['entries'])))}): load it with load(state)")
     _apply(tensors, rest, model, optimizer, d)
     extra = dict(rest.get("extra") or {})
     for k, v in tensors.items():
@@ -89,7 +109,11 @@ def _read_object(path):
 
 def _check_state(rest, where, parent):
     """The fields of the replicated JSON state ``rest`` that :func:`load` reads; ``parent``: its
-    place in file ``where``."""
+    place in file ``where``. The state form's skeleton is checked as it is decoded."""
+    if _tree.is_skeleton(rest):
+        if not isinstance(rest["entries"], dict):
+            raise FormatError(f"{where}: {parent}entries is {_describe(rest['entries'])}, not an object")
+        return
     _get(where, rest, "extra", dict, {}, parent)
     for idx, st in _get(where, rest, "optim_state", dict, {}, parent).items():
         if not _is_index_text(idx):

@@ -11,7 +11,9 @@ import shutil
 import threading
 import warnings
 
-from . import _connection, _state, protocol
+from collections.abc import Mapping
+
+from . import _connection, _state, _tree, protocol
 from ._connection import AgentError, _Agent, _agent_conn
 from ._env import rank, world_size
 from .protocol import (
@@ -52,12 +54,21 @@ def assign_keys(sizes, world):
     return out
 
 
-def _unwrap(model):
-    # DistributedDataParallel and DataParallel keep the real module in .module.
-    inner = getattr(model, "module", None)
-    if inner is not None and type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
-        return inner
-    return model
+_unwrap = _tree.unwrap
+
+
+def _state_form(caller, state, model, optimizer, extra):
+    """``(state, model)`` of a call ``caller(step, state, ...)``: ``state`` a mapping (the state
+    form), or None with ``model`` what the legacy form passed, by keyword or in the place of
+    ``state``. The two forms do not mix."""
+    if state is None or not isinstance(state, Mapping):
+        if state is not None and model is not None:
+            raise TypeError(f"elastic_run.{caller}: the model is given twice")
+        return None, model if state is None else state
+    if model is not None or optimizer is not None or extra is not None:
+        raise TypeError(f"elastic_run.{caller}: pass the state as one mapping, or model=, optimizer= and "
+                        "extra=, not both")
+    return state, None
 
 
 def _is_tensor(v):
@@ -180,15 +191,20 @@ class _Snapshot:
         # meta.json as bytes now: later changes to the objects the JSON state came from do not
         # reach the snapshot, and what is not JSON, or what load could not read back (too big,
         # too deep), fails here, in the caller.
-        text = json.dumps({
-            "format_version": protocol.FORMAT_VERSION,
-            "step": step,
-            "rank": rank_,
-            "world_size": world,
-            "keys": sorted(tensors),
-            # Every rank records the (replicated) JSON state, so any node's agent can commit.
-            "state": rest,
-        })
+        try:
+            text = json.dumps({
+                "format_version": protocol.FORMAT_VERSION,
+                "step": step,
+                "rank": rank_,
+                "world_size": world,
+                "keys": sorted(tensors),
+                # Every rank records the (replicated) JSON state, so any node's agent can commit.
+                "state": rest,
+            }, allow_nan=False)
+        except ValueError as e:
+            # NaN or infinity in extra=: no JSON reader (the agent's included) takes it.
+            raise ValueError(f"elastic_run: the JSON state cannot be written: {e} (the state mapping "
+                             "form saves them)") from None
         # The restore's metadata.json holds the state one level deeper than meta.json.
         if _json_too_deep(text, protocol.JSON_DEPTH_MAX - 1):
             raise ValueError(f"the JSON state is nested deeper than {protocol.JSON_DEPTH_MAX - 2} levels")
@@ -198,13 +214,18 @@ class _Snapshot:
                 f"{_META} would be {len(self.meta_json)} bytes, over the limit of {protocol.METADATA_BYTES_MAX}")
 
 
-def _snapshot(staging, step, model, optimizer, extra, copy_unguarded):
+def _snapshot(staging, step, model, optimizer, extra, copy_unguarded, state=None):
     r, w = rank(), world_size()
     if r >= w:
         raise FormatError(f"RANK={r} is not below WORLD_SIZE={w}")
-    tensors, rest = _flatten(model, optimizer, extra)
+    if state is not None:
+        tensors, rest = _tree.encode(state)
+        opts = _tree.optimizers(state)
+    else:
+        tensors, rest = _flatten(model, optimizer, extra)
+        opts = [optimizer]
     owner = assign_keys({k: v.numel() * v.element_size() for k, v in tensors.items()}, w)
-    guarded = _guarded_storages(optimizer) if copy_unguarded else set()
+    guarded = set().union(*(_guarded_storages(o) for o in opts)) if copy_unguarded else set()
     mine = {}
     for k, v in tensors.items():
         if owner[k] != r:
@@ -345,11 +366,18 @@ def _write_snapshot_inner(snap, conn):
     return final
 
 
-def save(step, model=None, optimizer=None, extra=None):
+def save(step, state=None, optimizer=None, extra=None, *, model=None):
     """Writes this rank's share of the state for ``step`` into staging, then tells the agent.
 
-    ``extra`` is a dict of JSON values and tensors (RNG states, data position...). Every rank
-    must call this at the same step with the same replicated state. Returns the directory
+    ``state`` maps names to objects: Stateful ones (``state_dict()``/``load_state_dict()``:
+    modules, optimizers, LR schedulers, GradScaler, StatefulDataLoader, your own classes) and
+    nested values (dicts, lists and tuples of tensors, numpy arrays, numbers, strings...), for
+    example ``save(step, {"model": model, "opt": opt, "sched": sched, "rng": rngs})``. Tensors
+    go into safetensors, the rest into JSON; nothing is pickled (see :mod:`elastic_run._tree`).
+    The older form ``save(step, model=, optimizer=, extra=)`` (``extra`` a dict of JSON values
+    and tensors) works as before.
+
+    Every rank must call this at the same step with the same replicated state. Returns the directory
     written, or None when the staging file system is full: that checkpoint is then skipped
     with a warning giving the sizes, and training goes on. A pending :func:`async_save` is finished first.
 
@@ -360,12 +388,13 @@ def save(step, model=None, optimizer=None, extra=None):
     ``step`` is an integer in [0, ``STEP_MAX``] (else :class:`FormatError`).
     """
     step = _check_step(step, "save")
+    state, model = _state_form("save", state, model, optimizer, extra)
     wait()
     staging = _staging_dir("save")
     if staging is None:
         return None
     # Nothing runs until the write ends: every tensor is written from its own memory.
-    snap = _snapshot(staging, step, model, optimizer, extra, copy_unguarded=False)
+    snap = _snapshot(staging, step, model, optimizer, extra, copy_unguarded=False, state=state)
     return _write_snapshot(snap, _agent_conn())
 
 
@@ -412,26 +441,30 @@ def _step_pre_hook(optimizer, args, kwargs):
     wait()
 
 
-def async_save(step, model=None, optimizer=None, extra=None):
+def async_save(step, state=None, optimizer=None, extra=None, *, model=None):
     """Like :func:`save`, but returns as soon as the state is captured; a thread writes it into
     staging and tells the agent. Returns a :class:`PendingSave` (None outside elastic-run).
 
     What stays consistent: the parameters and the optimizer state are written from their own
-    memory, so ``optimizer.step()`` of the optimizer passed here waits for the write first (a
-    step pre-hook), as do the next ``save``/``async_save`` and :func:`wait`. Buffers
+    memory, so ``optimizer.step()`` of every optimizer passed here (``optimizer=``, or the
+    optimizers among the state's entries) waits for the write first (a step pre-hook), as do
+    the next ``save``/``async_save`` and :func:`wait`. The JSON state (schedulers, scalers, data
+    loaders...) is captured at the call. Buffers
     (BatchNorm statistics change in forward), ``extra`` tensors, and the parameters when no
     optimizer is given are copied before this returns. Code that changes parameters in place
     other than through ``optimizer.step()`` must call :func:`wait` before it does. The write's
     error, if any, is raised at that next wait. One save is in flight at a time."""
     step = _check_step(step, "async_save")
+    state, model = _state_form("async_save", state, model, optimizer, extra)
     wait()
     staging = _staging_dir("async_save")
     if staging is None:
         return None
-    if optimizer is not None and not getattr(optimizer, "_elastic_run_hooked", False):
-        optimizer.register_step_pre_hook(_step_pre_hook)
-        optimizer._elastic_run_hooked = True
-    snap = _snapshot(staging, step, model, optimizer, extra, copy_unguarded=True)
+    for opt in _tree.optimizers(state) if state is not None else [optimizer]:
+        if opt is not None and not getattr(opt, "_elastic_run_hooked", False):
+            opt.register_step_pre_hook(_step_pre_hook)
+            opt._elastic_run_hooked = True
+    snap = _snapshot(staging, step, model, optimizer, extra, copy_unguarded=True, state=state)
     pending = PendingSave(snap.step)
     path = os.environ.get("ELASTIC_AGENT_SOCKET")
 

@@ -131,6 +131,53 @@ fn staged_meta_must_match_step_rank_and_format() {
     );
 }
 
+/// The trainer's JSON state reaches the manifest with every float bit for bit: LR scheduler
+/// and GradScaler state are floats, and a resumed run must see the same ones.
+#[test]
+fn json_state_floats_pass_through_bit_for_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    stage(tmp.path(), 5, 0, 1, serde_json::json!({}));
+    let p = part(tmp.path(), 0, 5);
+    // Shortest round-trip texts (Python's repr) of doubles across the whole exponent range.
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut floats = Vec::new();
+    while floats.len() < 2000 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let f = f64::from_bits(x);
+        if f.is_finite() {
+            floats.push(f);
+        }
+    }
+    floats.extend([
+        0.1 + 0.2,
+        5e-324,
+        f64::MAX,
+        0.000_999_999_999_999_999_8,
+        -0.0,
+    ]);
+    let texts: Vec<String> = floats.iter().map(|f| format!("{f:?}")).collect();
+    let meta = format!(
+        r#"{{"format_version": 1, "step": 5, "rank": 0, "world_size": 1, "keys": ["model/w0"], "state": {{"lrs": [{}]}}}}"#,
+        texts.join(", ")
+    );
+    std::fs::write(p.dir.join(STAGED_META), meta).unwrap();
+    let state = read_staged(5, 1, &p).unwrap();
+    let reread: serde_json::Value = serde_json::from_str(&state.to_string()).unwrap();
+    let got = reread["lrs"].as_array().unwrap();
+    assert_eq!(got.len(), floats.len());
+    for (i, f) in floats.iter().enumerate() {
+        assert_eq!(
+            got[i].as_f64().unwrap().to_bits(),
+            f.to_bits(),
+            "{} came back as {}",
+            texts[i],
+            got[i]
+        );
+    }
+}
+
 #[test]
 fn requests_with_foreign_or_repeated_ranks_are_refused() {
     let p = |rank, step| StagedPart {

@@ -1,0 +1,448 @@
+"""Training state of any shape: a mapping of names to objects, turned into tensors (written as
+safetensors) and a JSON skeleton (written into ``meta.json``), and back.
+
+An object is either *Stateful* (it has ``state_dict()`` and ``load_state_dict()``: modules,
+optimizers, LR schedulers, ``GradScaler``, torchdata's ``StatefulDataLoader``, user classes),
+or a nested value: dicts, lists, tuples, tensors, numpy arrays and scalars, ``bytes``,
+``torch.dtype``, ``torch.device``, numbers, strings and ``None``. Nothing is pickled, and
+loading never runs code from a checkpoint: the skeleton is plain JSON whose tagged objects
+name one of the kinds above.
+
+The skeleton of ``{"model": m, "rng": [torch.get_rng_state()]}`` (meta.json's ``state``)::
+
+    {"format": "elastic_run.state/1",
+     "entries": {"model": {"stateful": true,
+                           "value": {"0.weight": {"$t": "state/model/0.weight"}, ...}},
+                 "rng": {"stateful": false, "value": [{"$t": "state/rng/0"}]}}}
+
+Values are JSON as they are, except for the tagged objects, each a one-key object whose key
+starts with ``$``:
+
+    {"$t": K}            a tensor, stored as tensor K       {"$tuple": [...]}   a tuple
+    {"$nd": K}           a numpy array, stored as tensor K  {"$items": [[k, v]...]}  a dict with
+    {"$np": [dtype, v]}  a numpy scalar                                          keys not all str
+    {"$f": "nan"}        nan, inf or -inf                   {"$dict": {...}}    a dict with a str
+    {"$int": "digits"}   an int beyond 2**53 - 1                                 key starting "$"
+    {"$bytes": base64}   bytes                              {"$dtype": "float32"}, {"$device": "cpu"}
+
+Tensor names are ``state/<entry>/<path>``: a module's tensors are ``state/model/<its
+state_dict() name>``. Path parts are dict keys and list indices; a str key is written with
+``%``, ``/``, ``\\``, control characters and a leading ``~`` percent-escaped (and ``""``,
+``"."``, ``".."`` as ``%``, ``%2E``, ``%2E%2E``), another key as ``~`` and its JSON. So names
+are distinct, and valid names for the checkpoint store.
+"""
+
+import base64
+import binascii
+import math
+import re
+import unicodedata
+from collections.abc import Mapping, MutableMapping
+
+from . import protocol
+from .protocol import FormatError, _describe
+
+STATE_FORMAT = "elastic_run.state/1"
+_PREFIX = "state/"
+# What an entry of the state may be called: a tensor name's first part, a word of letters,
+# digits, "_", "." and "-" (not starting with "." or "-"), at most 128 characters.
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
+# Ints beyond this are written as text: every JSON reader holds these exactly.
+_SAFE_INT_MAX = 2**53 - 1
+# The longest tensor name (the checkpoint store's limit).
+_KEY_BYTES_MAX = 1024
+# numpy scalar dtypes a checkpoint may name.
+_NP_SCALARS = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+               "float16", "float32", "float64")
+_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+class StateError(ValueError):
+    """The state passed to ``load`` and the checkpoint do not fit: an entry one has and the
+    other lacks (unless ``strict=False``), a tensor of another shape or dtype, or a Stateful
+    object where the checkpoint holds a plain value (or the reverse). The message names the
+    entry and the place in it."""
+
+
+def _is_tensor(v):
+    try:
+        import torch
+    except ImportError:
+        return False
+    return isinstance(v, torch.Tensor)
+
+
+def is_stateful(obj):
+    """Whether ``obj`` saves through ``state_dict()`` and loads through ``load_state_dict()``."""
+    return (not isinstance(obj, (Mapping, type)) and not _is_tensor(obj)
+            and callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None)))
+
+
+def unwrap(obj):
+    """The module inside DistributedDataParallel and DataParallel (their ``.module``), so that
+    tensor names are the model's own; anything else as it is."""
+    inner = getattr(obj, "module", None)
+    if inner is not None and type(obj).__name__ in ("DistributedDataParallel", "DataParallel"):
+        return inner
+    return obj
+
+
+def check_name(name):
+    """``name`` as an entry of the state, or ValueError naming it."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(
+            f"elastic_run: state name {_describe(name)} is not a valid key: use 1 to 128 letters, "
+            "digits, '_', '.' or '-', not starting with '.' or '-'")
+    return name
+
+
+def _escape(part):
+    if part == "":
+        return "%"
+    if part in (".", ".."):
+        return part.replace(".", "%2E")
+    out = []
+    for i, c in enumerate(part):
+        if c in "%/\\" or (i == 0 and c == "~") or unicodedata.category(c) == "Cc":
+            out.append("".join(f"%{b:02X}" for b in c.encode()))
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+def _is_numpy(v):
+    return type(v).__module__ == "numpy"
+
+
+def _plain_key(k):
+    """Whether ``k`` can be a dict key in a checkpoint: a scalar or a tuple of them."""
+    if k is None or isinstance(k, (bool, int, float, str)):
+        return True
+    return isinstance(k, tuple) and all(_plain_key(x) for x in k)
+
+
+class _Encoder:
+    def __init__(self):
+        self.tensors = {}
+
+    def entry(self, name, obj):
+        check_name(name)
+        stateful = is_stateful(obj)
+        value = unwrap(obj).state_dict() if stateful else obj
+        where = f"state[{name!r}]"
+        if stateful and not isinstance(value, Mapping):
+            raise TypeError(f"elastic_run: {where}: state_dict() of {type(obj).__name__} returned "
+                            f"{type(value).__name__}, not a dict")
+        return {"stateful": stateful, "value": self.enc(value, _PREFIX + name, where, 0)}
+
+    def enc(self, v, key, where, depth):
+        if depth > protocol.JSON_DEPTH_MAX:
+            raise ValueError(f"elastic_run: {where}: nested deeper than {protocol.JSON_DEPTH_MAX} levels")
+        if v is None or isinstance(v, bool):
+            return v
+        if isinstance(v, int):
+            v = int(v)
+            if abs(v) <= _SAFE_INT_MAX:
+                return v
+            try:
+                return {"$int": str(v)}
+            except ValueError:  # more digits than Python converts
+                raise ValueError(f"elastic_run: {where}: an int of {v.bit_length()} bits cannot be saved") from None
+        if isinstance(v, float):
+            v = float(v)
+            if math.isfinite(v):
+                return v
+            return {"$f": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+        if isinstance(v, str):
+            self._utf8(v, where)
+            return v
+        if isinstance(v, (bytes, bytearray)):
+            return {"$bytes": base64.b64encode(bytes(v)).decode()}
+        if _is_tensor(v):
+            return {"$t": self._tensor(v, key, where)}
+        if _is_numpy(v):
+            return self._numpy(v, key, where)
+        import torch
+
+        if isinstance(v, torch.dtype):
+            return {"$dtype": str(v).removeprefix("torch.")}
+        if isinstance(v, torch.device):
+            return {"$device": str(v)}
+        if isinstance(v, Mapping):
+            return self._mapping(v, key, where, depth)
+        if isinstance(v, (list, tuple)):
+            items = [self.enc(x, f"{key}/{i}", f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+            return items if isinstance(v, list) else {"$tuple": items}
+        raise TypeError(
+            f"elastic_run: {where}: a {type(v).__module__}.{type(v).__qualname__} cannot be saved: a state "
+            "entry is a Stateful object (state_dict/load_state_dict) or a value made of tensors, numpy "
+            "arrays, numbers, strings, bytes, None, dtypes, devices, and lists, tuples and dicts of them "
+            "(nothing is pickled)")
+
+    def _mapping(self, v, key, where, depth):
+        if all(isinstance(k, str) for k in v):
+            out = {}
+            for k, x in v.items():
+                self._utf8(k, f"{where} key {_describe(k)}")
+                out[k] = self.enc(x, f"{key}/{_escape(k)}", f"{where}[{k!r}]", depth + 1)
+            return {"$dict": out} if any(k.startswith("$") for k in v) else out
+        items = []
+        for k, x in v.items():
+            if not _plain_key(k):
+                raise TypeError(f"elastic_run: {where}: the dict key {_describe(k)} cannot be saved: keys "
+                                "are strings, numbers, None, or tuples of them")
+            ek = self.enc(k, key, f"{where} key {_describe(k)}", depth + 1)
+            part = _escape(k) if isinstance(k, str) else "~" + _escape(_json(ek))
+            items.append([ek, self.enc(x, f"{key}/{part}", f"{where}[{k!r}]", depth + 2)])
+        return {"$items": items}
+
+    def _utf8(self, s, where):
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"elastic_run: {where}: the string is not valid Unicode ({e.reason})") from None
+
+    def _tensor(self, t, key, where):
+        kind = type(t).__name__
+        if kind == "DTensor" or not type(t).__module__.startswith("torch"):
+            # A DTensor's local shard alone would be saved as if it were the whole tensor.
+            raise TypeError(f"elastic_run: {where}: a {kind} cannot be saved: only plain (replicated) "
+                            "tensors are supported by this client; call .full_tensor() on a DTensor first")
+        import torch
+
+        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+            raise TypeError(f"elastic_run: {where}: a {t.layout} tensor on {t.device} cannot be saved: only "
+                            "dense tensors with data")
+        if len(key.encode()) > _KEY_BYTES_MAX:
+            raise ValueError(f"elastic_run: {where}: its tensor name is over {_KEY_BYTES_MAX} bytes")
+        if key in self.tensors:  # not reachable by the naming scheme; a guard against a change
+            raise ValueError(f"elastic_run: {where}: tensor name {key!r} is used twice")
+        self.tensors[key] = t
+        return key
+
+    def _numpy(self, v, key, where):
+        import numpy as np
+        import torch
+
+        if isinstance(v, np.ndarray):
+            if v.dtype.name not in _NP_SCALARS:
+                raise TypeError(f"elastic_run: {where}: a numpy array of {v.dtype} cannot be saved")
+            return {"$nd": self._tensor(torch.from_numpy(np.ascontiguousarray(v)), key, where)}
+        if isinstance(v, np.generic) and v.dtype.name in _NP_SCALARS:
+            return {"$np": [v.dtype.name, self.enc(v.item(), key, where, 0)]}
+        raise TypeError(f"elastic_run: {where}: a numpy {type(v).__name__} cannot be saved")
+
+
+def _json(v):
+    import json
+
+    return json.dumps(v, separators=(",", ":"), allow_nan=False)
+
+
+def encode(state):
+    """``state`` (a mapping of names to objects) as ``(tensors, skeleton)``: tensors by name,
+    and the JSON-able skeleton. Raises TypeError or ValueError naming the entry and the place
+    of what cannot be saved."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"elastic_run: the state is a {type(state).__name__}, not a mapping of names to objects")
+    e = _Encoder()
+    entries = {name: e.entry(name, obj) for name, obj in state.items()}
+    return e.tensors, {"format": STATE_FORMAT, "entries": entries}
+
+
+def optimizers(state):
+    """The optimizers among the state's entries."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    return [o for o in state.values() if isinstance(o, torch.optim.Optimizer)]
+
+
+def is_skeleton(rest):
+    """Whether the JSON state ``rest`` of a checkpoint was written from a state mapping."""
+    return isinstance(rest, dict) and "entries" in rest
+
+
+class _Decoder:
+    """Decodes a skeleton read from a checkpoint (``where`` names the file): every tag and type
+    checked, FormatError otherwise."""
+
+    def __init__(self, tensors, where):
+        self.tensors, self.where = tensors, where
+
+    def fail(self, at, what):
+        raise FormatError(f"{self.where}: {at}: {what}")
+
+    def dec(self, v, at):
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, list):
+            return [self.dec(x, f"{at}[{i}]") for i, x in enumerate(v)]
+        if not isinstance(v, dict):
+            self.fail(at, f"{_describe(v)} is not JSON")
+        tags = [k for k in v if k.startswith("$")]
+        if not tags:
+            return {k: self.dec(x, f"{at}[{k!r}]") for k, x in v.items()}
+        if len(v) != 1:
+            self.fail(at, f"an object with the key {_describe(tags[0])} and others is not a tagged value")
+        tag, x = next(iter(v.items()))
+        if tag == "$t":
+            return self.tensor(x, at)
+        if tag == "$nd":
+            t = self.tensor(x, at)
+            if str(t.dtype).removeprefix("torch.") not in _NP_SCALARS:
+                self.fail(at, f"a numpy array stored as a {t.dtype} tensor")
+            return t.numpy()
+        if tag == "$tuple":
+            if not isinstance(x, list):
+                self.fail(at, f"$tuple holds {_describe(x)}, not an array")
+            return tuple(self.dec(y, f"{at}[{i}]") for i, y in enumerate(x))
+        if tag == "$dict":
+            if not isinstance(x, dict):
+                self.fail(at, f"$dict holds {_describe(x)}, not an object")
+            return {k: self.dec(y, f"{at}[{k!r}]") for k, y in x.items()}
+        if tag == "$items":
+            return self.items(x, at)
+        if tag == "$f":
+            if x not in _FLOATS:
+                self.fail(at, f"$f holds {_describe(x)}, not nan, inf or -inf")
+            return _FLOATS[x]
+        if tag == "$int":
+            if not isinstance(x, str) or not re.fullmatch(r"-?[0-9]{1,4300}", x):
+                self.fail(at, f"$int holds {_describe(x)}, not the digits of an integer")
+            return int(x)
+        if tag == "$bytes":
+            try:
+                return base64.b64decode(x, validate=True)
+            except (binascii.Error, TypeError, ValueError):
+                self.fail(at, f"$bytes holds {_describe(x)}, not base64")
+        if tag == "$np":
+            if not (isinstance(x, list) and len(x) == 2 and x[0] in _NP_SCALARS):
+                self.fail(at, f"$np holds {_describe(x)}, not [numpy dtype, value]")
+            import numpy as np
+
+            val = self.dec(x[1], at)
+            try:
+                return np.dtype(x[0]).type(val)
+            except (TypeError, ValueError, OverflowError):
+                self.fail(at, f"{_describe(val)} is not a numpy {x[0]}")
+        if tag == "$dtype":
+            import torch
+
+            dt = getattr(torch, x, None) if isinstance(x, str) and x.isidentifier() else None
+            if not isinstance(dt, torch.dtype):
+                self.fail(at, f"$dtype holds {_describe(x)}, not a torch dtype")
+            return dt
+        if tag == "$device":
+            import torch
+
+            try:
+                if not isinstance(x, str) or len(x) > 64:
+                    raise ValueError
+                return torch.device(x)
+            except (RuntimeError, ValueError, TypeError):
+                self.fail(at, f"$device holds {_describe(x)}, not a torch device")
+        self.fail(at, f"unknown tag {_describe(tag)}")
+
+    def tensor(self, key, at):
+        if not isinstance(key, str):
+            self.fail(at, f"{_describe(key)} is not a tensor name")
+        t = self.tensors.get(key)
+        if t is None:
+            self.fail(at, f"refers to the tensor {key!r}, which the checkpoint does not hold")
+        return t
+
+    def items(self, x, at):
+        if not isinstance(x, list):
+            self.fail(at, f"$items holds {_describe(x)}, not an array")
+        out = {}
+        for i, pair in enumerate(x):
+            if not (isinstance(pair, list) and len(pair) == 2):
+                self.fail(f"{at}[{i}]", f"{_describe(pair)} is not a [key, value] pair")
+            k = self.dec(pair[0], f"{at} key {i}")
+            if not _plain_key(k):
+                self.fail(f"{at} key {i}", f"{_describe(k)} cannot be a dict key")
+            if k in out:
+                self.fail(f"{at} key {i}", f"the key {_describe(k)} is given twice")
+            out[k] = self.dec(pair[1], f"{at}[{k!r}]")
+        return out
+
+
+def _check_fits(saved, current, at, where):
+    """Every tensor of ``saved`` that ``current`` (the target's own state_dict()) has at the
+    same place has its shape and dtype."""
+    if _is_tensor(saved) and _is_tensor(current):
+        if saved.dtype != current.dtype or saved.shape != current.shape:
+            raise StateError(
+                f"{where}: {at}: the checkpoint holds a {str(saved.dtype).removeprefix('torch.')} tensor of "
+                f"shape {list(saved.shape)}, the state has {str(current.dtype).removeprefix('torch.')} "
+                f"{list(current.shape)}")
+    elif isinstance(saved, Mapping) and isinstance(current, Mapping):
+        for k, v in saved.items():
+            if k in current:
+                _check_fits(v, current[k], f"{at}[{k!r}]", where)
+    elif isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)):
+        for i, (v, c) in enumerate(zip(saved, current)):
+            _check_fits(v, c, f"{at}[{i}]", where)
+
+
+def apply(state, skeleton, tensors, where, strict=True):
+    """Fills ``state`` in place from a checkpoint's skeleton and tensors: Stateful entries
+    through ``load_state_dict``, plain values set in the mapping. Everything is decoded and
+    checked before anything is loaded. ``where`` names the checkpoint in errors."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"elastic_run: the state is a {type(state).__name__}, not a mapping of names to objects")
+    fmt = skeleton.get("format")
+    if fmt != STATE_FORMAT:
+        raise FormatError(f"{where}: unknown state format {_describe(fmt)} (this client reads {STATE_FORMAT})")
+    entries = skeleton.get("entries")
+    if not isinstance(entries, dict):
+        raise FormatError(f"{where}: state entries are {_describe(entries)}, not an object")
+    unknown = sorted(set(entries) - set(state))
+    missing = sorted(set(state) - set(entries))
+    if strict and (unknown or missing):
+        parts = []
+        if missing:
+            parts.append(f"lacks {', '.join(map(repr, missing))}, which the state asks for")
+        if unknown:
+            parts.append(f"holds {', '.join(map(repr, unknown))}, which the state does not name")
+        raise StateError(f"{where}: the checkpoint {' and '.join(parts)} (load(..., strict=False) allows it)")
+    d = _Decoder(tensors, where)
+    plan = []
+    for name in sorted(set(entries) & set(state)):
+        e = entries[name]
+        at = f"state[{name!r}]"
+        if not (isinstance(e, dict) and isinstance(e.get("stateful"), bool) and "value" in e):
+            raise FormatError(f"{where}: {at} is {_describe(e)}, not {{'stateful': bool, 'value': ...}}")
+        value = d.dec(e["value"], at)
+        target = state[name]
+        if e["stateful"]:
+            if not is_stateful(target):
+                raise StateError(f"{where}: {at} was saved from a Stateful object's state_dict(); the state "
+                                 f"holds a {type(target).__name__}, which has no load_state_dict()")
+            if not isinstance(value, dict):
+                raise FormatError(f"{where}: {at} holds {_describe(value)}, not a state_dict()")
+            _check_fits(value, unwrap(target).state_dict(), at, where)
+        elif is_stateful(target):
+            raise StateError(f"{where}: {at} was saved as a plain value; the state holds a "
+                             f"{type(target).__name__}, a Stateful object")
+        plan.append((name, e["stateful"], value))
+    if any(not stateful for _, stateful, _ in plan) and not isinstance(state, MutableMapping):
+        raise TypeError("elastic_run: load sets plain values in the state: pass a dict")
+    for name, stateful, value in plan:
+        if not stateful:
+            state[name] = value
+            continue
+        target = unwrap(state[name])
+        try:
+            import torch
+
+            if isinstance(target, torch.nn.Module):
+                target.load_state_dict(value, strict=strict)
+            else:
+                target.load_state_dict(value)
+        except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
+            raise StateError(f"{where}: state[{name!r}]: {type(target).__name__}.load_state_dict refused "
+                             f"the checkpoint's state: {e}") from e
