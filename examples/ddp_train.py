@@ -3,8 +3,9 @@
     elastic-run --standalone --nproc-per-node 2 --checkpoint-interval 20 --lr-scaling linear \
         -- python examples/ddp_train.py --steps 200
 
-- Data is generated from --seed; the sample order is a function of how many samples the job has
-  consumed (saved in every checkpoint), so any world size continues the same stream.
+- Data is generated from --seed; elastic_run.ElasticSampler orders it as one global stream for
+  the job, and its position (samples consumed, saved in every checkpoint) lets any world size
+  continue the same stream: no sample skipped or repeated across rescales.
 - Checkpoints model, optimizer, LR schedule, RNG state and data position through elastic_run
   (one state mapping); resumes from ELASTIC_RESUME_DIR when the agent sets it.
 - A cosine LR schedule over --steps, times elastic-run's LR scale (elastic_run.scale_lr);
@@ -35,19 +36,6 @@ def dataset(seed):
     w = torch.randn(N_FEATURES, 1, generator=g)
     y = torch.sin(x @ w) + 0.1 * torch.randn(N_SAMPLES, 1, generator=g)
     return x, y
-
-
-def sample_ids(seed, start, count):
-    """Ids of samples start..start+count of the job's stream: epoch e is permutation (seed, e)."""
-    out = []
-    pos = start
-    while len(out) < count:
-        epoch, off = divmod(pos, N_SAMPLES)
-        perm = torch.randperm(N_SAMPLES, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-        take = min(count - len(out), N_SAMPLES - off)
-        out.extend(perm[off:off + take].tolist())
-        pos += take
-    return torch.tensor(out)
 
 
 def weights_digest(model):
@@ -87,20 +75,20 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps, eta_min=args.lr * 0.1)
     x_all, y_all = dataset(args.seed)
+    sampler = er.ElasticSampler(N_SAMPLES, seed=args.seed, batch_size=batch)
 
     if rank == 0:
         print(f"backend {backend or 'none'} world {world} device {device}", flush=True)
-    step, samples_seen = 0, 0
+    step = 0
     # Everything a resume needs, by name: Stateful objects load in place, plain values come
     # back in the mapping.
-    state = {"model": model, "opt": opt, "sched": sched, "progress": None, "rng": None}
+    state = {"model": model, "opt": opt, "sched": sched, "data": sampler, "progress": None, "rng": None}
     resumed = er.load(state)
     if resumed is not None:
         step = resumed
-        samples_seen = int(state["progress"]["samples_seen"])
         torch.set_rng_state(state["rng"])
         if rank == 0:
-            print(f"resumed from step {step} (samples_seen {samples_seen}, saved at world "
+            print(f"resumed from step {step} (samples_seen {sampler.consumed}, saved at world "
                   f"{state['progress']['world_size']})", flush=True)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
     if dist.is_initialized():
@@ -118,19 +106,19 @@ def main():
     while step < args.steps:
         step += 1
         lr = opt.param_groups[0]["lr"] * lr_scaling.factor(step)
-        global_batch = batch * world * accum
-        ids = sample_ids(args.seed, samples_seen, global_batch)
+        # This rank's share of the job's next global batch, micro-batch after micro-batch.
+        mine = torch.tensor(sampler.rank_ids(sampler.ids(sampler.consumed, sampler.global_batch())))
         opt.zero_grad()
         total = 0.0
         for a in range(accum):
-            micro = ids[(a * world + rank) * batch:(a * world + rank + 1) * batch]
+            micro = mine[a * batch:(a + 1) * batch]
             x, y = x_all[micro].to(device), y_all[micro].to(device)
             loss = torch.nn.functional.mse_loss(ddp(x), y) / accum
             loss.backward()
             total += loss.item()
         opt.step()
         sched.step()
-        samples_seen += global_batch
+        sampler.advance()
         if rank == 0:
             print(f"step {step} loss {total:.6f} lr {lr:.6g} world {world} accum {accum}", flush=True)
         er.report_progress(step)
@@ -140,7 +128,7 @@ def main():
             os._exit(3)
         stop = er.should_stop(step)
         if stop or er.should_checkpoint(step) or step == args.steps:
-            state["progress"] = {"samples_seen": samples_seen, "world_size": world}
+            state["progress"] = {"world_size": world}
             state["rng"] = torch.get_rng_state()
             if stop or step == args.steps:
                 # The last one: written before the worker exits.

@@ -69,6 +69,7 @@ torch is optional: the environment helpers work without it.
 #                  should_checkpoint
 #   _distributed   init and the per-step all-reduce
 #   _lr            scale_lr: the elastic scale on top of any LR scheduler
+#   _sampler       ElasticSampler: one global seeded sample stream for any world size
 #   _tree          any training state <-> tensors and a JSON skeleton, StateError
 #   _save          save, async_save, wait, PendingSave, assign_keys, the safetensors writer
 #   _load          load
@@ -105,6 +106,7 @@ from ._env import (
 )
 from ._load import load
 from ._lr import LRScaling, scale_lr
+from ._sampler import ElasticSampler
 from ._tree import StateError
 from ._save import PendingSave, _flatten, _write_safetensors, assign_keys, async_save, save, wait
 from .protocol import (
@@ -128,6 +130,7 @@ __all__ = [
     "scaled_lr",
     "scale_lr",
     "LRScaling",
+    "ElasticSampler",
     "lr_scale",
     "batch_size",
     "grad_accum_steps",

@@ -466,6 +466,109 @@ class LRScalingWithSchedulers(tc.TorchEnv):
         self.assertEqual(er.scale_lr(opt, step=lambda: 102).factor(), 1.0 + 2.0 * 0.5)
 
 
+class OneGlobalStream(tc.TorchEnv):
+    def layout(self, world, accum, batch, rank=0, fixed=None):
+        self.env(WORLD_SIZE=world, RANK=rank, ELASTIC_GRAD_ACCUM_STEPS=accum, ELASTIC_BATCH_SIZE=batch,
+                 ELASTIC_GLOBAL_BATCH=fixed or batch * world * accum)
+
+    def take_step(self, sampler_state, world, accum, batch):
+        """Every rank's ids for the next global batch (each rank's sampler made afresh from the
+        saved state, as after a restart), checked to split it exactly; returns the batch."""
+        shares = []
+        for r in range(world):
+            self.layout(world, accum, batch, rank=r)
+            s = er.ElasticSampler(50, seed=7)
+            s.load_state_dict(sampler_state)
+            shares.append(list(s))
+        self.layout(world, accum, batch)
+        s = er.ElasticSampler(50, seed=7)
+        s.load_state_dict(sampler_state)
+        g = s.global_batch()
+        want = s.ids(s.consumed, g)
+        # The ranks' shares are the batch's micro-batch slices, in order, and cover it once.
+        got = []
+        for r, share in enumerate(shares):
+            self.assertEqual(len(share) % batch, 0)
+            got.extend(share[:g // world])
+        self.assertEqual(sorted(got), sorted(want))
+        for a in range(accum):
+            for r in range(world):
+                lo = (a * world + r) * batch
+                self.assertEqual(shares[r][a * batch:(a + 1) * batch], want[lo:lo + batch])
+        s.advance()
+        return want, s.state_dict()
+
+    def test_world_size_changes_in_both_modes_and_a_redo_continue_the_one_stream(self):
+        stream = er.ElasticSampler(50, seed=7)
+        taken = []
+        st = stream.state_dict()
+        saved = None
+        # (world, accum, per-worker batch): linear 3 -> 2 -> 3 with 4 per worker, then a fixed
+        # global batch of 12 as 3 x 1 x 4, 2 x 2 x 3 and 1 x 3 x 4, across many epochs of 50.
+        plan = [(3, 1, 4)] * 7 + [(2, 1, 4)] * 9 + [(3, 1, 4)] * 5 + [(3, 1, 4), (2, 2, 3), (1, 3, 4)] * 6
+        for i, (world, accum, batch) in enumerate(plan):
+            if i == 10:
+                saved = (dict(st), len(taken))
+            if i == 14:
+                # A SIGKILL: the job resumes from the checkpoint of step 10 and redoes 10..13,
+                # which take exactly the same samples again.
+                redo_from, n = saved
+                redone = []
+                st = redo_from
+                for w, a, b in plan[10:14]:
+                    ids, st = self.take_step(st, w, a, b)
+                    redone.extend(ids)
+                self.assertEqual(redone, taken[n:])
+            ids, st = self.take_step(st, world, accum, batch)
+            taken.extend(ids)
+        self.assertEqual(taken, stream.ids(0, len(taken)))
+        # No sample repeats within an epoch, and every epoch is a permutation of the dataset.
+        for e in range(len(taken) // 50):
+            self.assertEqual(sorted(taken[e * 50:(e + 1) * 50]), list(range(50)))
+        self.assertGreater(len(taken) // 50, 5)
+        self.assertNotEqual(taken[:50], taken[50:100])
+
+    def test_a_data_loader_gives_the_micro_batches_and_the_state_rides_in_the_state_mapping(self):
+        torch = self.torch
+        self.layout(world=2, accum=2, batch=3, rank=1)
+        s = er.ElasticSampler(20, seed=1)
+        loader = torch.utils.data.DataLoader(list(range(20)), batch_size=3, sampler=s)
+        micro = [b.tolist() for b in loader]
+        flat = [i for b in micro for i in b]
+        self.assertEqual(flat, list(s))
+        # One epoch's worth of global batches of 12 over 20 samples: 2, the second reaching
+        # into the next epoch.
+        self.assertEqual(len(micro), 4)
+        s.advance(2)
+        self.assertEqual(s.epoch, 1)
+        expected = list(s)
+        # Saved by a world of one, loaded, and read again as rank 1 of 2.
+        self.env(ELASTIC_STAGING_DIR=os.path.join(self.tmp.name, "st"), WORLD_SIZE=1, RANK=0)
+        er.save(2, {"data": s})
+        back = er.ElasticSampler(20, seed=1)
+        er.load({"data": back}, resume_dir=os.path.join(self.tmp.name, "st", "step-2"))
+        self.assertEqual(back.consumed, 24)
+        self.layout(world=2, accum=2, batch=3, rank=1)
+        self.assertEqual(list(back), expected)
+        with self.assertRaisesRegex(ValueError, "seed 1, this sampler 2"):
+            er.load({"data": er.ElasticSampler(20, seed=2)}, resume_dir=os.path.join(self.tmp.name, "st", "step-2"))
+
+    def test_bad_arguments_and_a_layout_off_the_global_batch_are_named(self):
+        for kw, text in (({"dataset_len": 0}, "dataset_len 0"), ({"dataset_len": 5, "seed": -1}, "seed -1"),
+                         ({"dataset_len": 2.5}, "dataset_len 2.5"), ({"dataset_len": 5, "batch_size": 0}, "batch_size 0")):
+            with self.assertRaisesRegex(ValueError, text):
+                er.ElasticSampler(**kw)
+        self.layout(world=2, accum=1, batch=4, fixed=12)
+        with self.assertRaisesRegex(ValueError, "is 8, not the job's global batch 12"):
+            list(er.ElasticSampler(10))
+        os.environ.pop("ELASTIC_BATCH_SIZE")
+        os.environ.pop("ELASTIC_GLOBAL_BATCH")
+        with self.assertRaisesRegex(ValueError, "no batch size"):
+            list(er.ElasticSampler(10))
+        unshuffled = er.ElasticSampler(5, shuffle=False, batch_size=2)
+        self.assertEqual(unshuffled.ids(3, 5), [3, 4, 0, 1, 2])
+
+
 if __name__ == "__main__":
     warnings.simplefilter("default")
     unittest.main()
