@@ -8,7 +8,7 @@
   continue the same stream: no sample skipped or repeated across rescales.
 - Checkpoints model, optimizer, LR schedule, RNG state and data position through elastic_run
   (one state mapping); resumes from ELASTIC_RESUME_DIR when the agent sets it.
-- A cosine LR schedule over --steps, times elastic-run's LR scale (elastic_run.scale_lr);
+- A cosine LR schedule over --lr-decay-steps, times elastic-run's LR scale (elastic_run.scale_lr);
   gloo on CPU, NCCL on GPU; grad accumulation as the agent sets it.
 """
 import argparse
@@ -52,6 +52,9 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=0.05, help="base LR, scaled by elastic-run's --lr-scaling")
     p.add_argument("--batch-size", type=int, default=None, help="per worker (default: ELASTIC_BATCH_SIZE or 32)")
+    p.add_argument("--lr-decay-steps", type=int, default=1000,
+                   help="the cosine schedule's length (T_max), independent of --steps so that a run "
+                        "stopped early and continued follows the same schedule")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (tests)")
     p.add_argument("--crash-at", type=int, default=None, help="rank --crash-rank exits 3 at this step (tests)")
@@ -73,7 +76,7 @@ def main():
         torch.nn.Linear(args.hidden, 1),
     ).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps, eta_min=args.lr * 0.1)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.lr_decay_steps, eta_min=args.lr * 0.1)
     x_all, y_all = dataset(args.seed)
     sampler = er.ElasticSampler(N_SAMPLES, seed=args.seed, batch_size=batch)
 

@@ -377,7 +377,11 @@ def save(step, state=None, optimizer=None, extra=None, *, model=None):
     The older form ``save(step, model=, optimizer=, extra=)`` (``extra`` a dict of JSON values
     and tensors) works as before.
 
-    Every rank must call this at the same step with the same replicated state. Returns the directory
+    Every rank must call this at the same step with the same replicated state: each entry is
+    taken to be equal on every rank (data-parallel state), and one copy of it is kept, its
+    tensors split between the ranks by bytes. State that differs by rank (an RNG seeded by rank,
+    a loader over a ``DistributedSampler``'s slice) is not kept per rank; :class:`ElasticSampler`
+    gives every rank the same stream state. Returns the directory
     written, or None when the staging file system is full: that checkpoint is then skipped
     with a warning giving the sizes, and training goes on. A pending :func:`async_save` is finished first.
 

@@ -601,8 +601,8 @@ fn status_shows_members_generation_and_commits() {
 #[test]
 fn a_crashing_worker_restarts_every_node_from_the_newest_commit() {
     let job = Job::new("file");
-    // Rank 3 (on q) crashes once at step 8: every node restarts (one restart, counted on
-    // both) from the newest commit, at the same world size.
+    // Rank 3 (on q) crashes once at step 8: every node restarts from the newest commit, at
+    // the same world size.
     let with = |node: &str, restarts: &str| {
         let mut c = job.command(
             node,
@@ -633,12 +633,27 @@ fn a_crashing_worker_restarts_every_node_from_the_newest_commit() {
     assert_eq!(code_q, 0, "{out_q}\n{err_q}");
     assert!(out_q.contains("crashing at step 8"), "{out_q}");
     assert!(out_p.contains("done step 40 "), "{out_p}");
-    let restarted: Vec<Value> = job
+    // Both nodes start generation 2's workers. q counts its failure as a restart; p counts one
+    // only when its own workers failed on the lost peer before q's restart request reached
+    // it, else it restarts for the new generation, uncounted (the decision core does not count
+    // a failure that comes with a membership change), so p's count is 0 or 1 by the race.
+    let started: Vec<Value> = job
         .events()
         .into_iter()
-        .filter(|e| is(e, "workers_started") && e["restart_count"] == 1)
+        .filter(|e| is(e, "workers_started") && e["generation"] == 2)
         .collect();
-    assert_eq!(restarted.len(), 2, "both nodes restart once: {restarted:?}");
+    let count = |node: &str| {
+        started
+            .iter()
+            .filter(|e| node_of(e) == node)
+            .map(|e| e["restart_count"].as_u64().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(count("q"), [1], "q restarts once, counted: {started:?}");
+    assert!(
+        count("p") == [0] || count("p") == [1],
+        "p restarts once: {started:?}"
+    );
     let g = job.wait_event("the restart generation", LONG, |e| {
         is(e, "generation") && e["generation"].as_u64() >= Some(2) && node_of(e) == "p"
     });
