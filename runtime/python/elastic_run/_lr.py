@@ -1,6 +1,6 @@
 """Elastic LR scaling that composes with any LR scheduler: :func:`scale_lr`."""
 
-from ._env import scaled_lr
+from ._env import resume_step, scaled_lr
 
 # The optimizer attribute that holds its scaling (one per optimizer).
 _ATTR = "_elastic_run_lr_scaling"
@@ -21,8 +21,6 @@ class LRScaling:
         """The training step the next ``optimizer.step()`` takes."""
         if self._step_fn is not None:
             return self._step_fn()
-        from ._env import resume_step
-
         return (resume_step() or 0) + self._steps + 1
 
     def factor(self, step=None):

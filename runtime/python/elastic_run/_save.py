@@ -71,12 +71,7 @@ def _state_form(caller, state, model, optimizer, extra):
     return state, None
 
 
-def _is_tensor(v):
-    try:
-        import torch
-    except ImportError:
-        return False
-    return isinstance(v, torch.Tensor)
+_is_tensor = _tree.is_tensor
 
 
 def _flatten(model, optimizer, extra):

@@ -34,6 +34,7 @@ are distinct, and valid names for the checkpoint store.
 
 import base64
 import binascii
+import json
 import math
 import re
 import unicodedata
@@ -64,7 +65,7 @@ class StateError(ValueError):
     entry and the place in it."""
 
 
-def _is_tensor(v):
+def is_tensor(v):
     try:
         import torch
     except ImportError:
@@ -74,7 +75,7 @@ def _is_tensor(v):
 
 def is_stateful(obj):
     """Whether ``obj`` saves through ``state_dict()`` and loads through ``load_state_dict()``."""
-    return (not isinstance(obj, (Mapping, type)) and not _is_tensor(obj)
+    return (not isinstance(obj, (Mapping, type)) and not is_tensor(obj)
             and callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None)))
 
@@ -159,7 +160,7 @@ class _Encoder:
             return v
         if isinstance(v, (bytes, bytearray)):
             return {"$bytes": base64.b64encode(bytes(v)).decode()}
-        if _is_tensor(v):
+        if is_tensor(v):
             return {"$t": self._tensor(v, key, where)}
         if _is_numpy(v):
             return self._numpy(v, key, where)
@@ -235,8 +236,6 @@ class _Encoder:
 
 
 def _json(v):
-    import json
-
     return json.dumps(v, separators=(",", ":"), allow_nan=False)
 
 
@@ -373,7 +372,7 @@ class _Decoder:
 def _check_fits(saved, current, at, where):
     """Every tensor of ``saved`` that ``current`` (the target's own state_dict()) has at the
     same place has its shape and dtype."""
-    if _is_tensor(saved) and _is_tensor(current):
+    if is_tensor(saved) and is_tensor(current):
         if saved.dtype != current.dtype or saved.shape != current.shape:
             raise StateError(
                 f"{where}: {at}: the checkpoint holds a {str(saved.dtype).removeprefix('torch.')} tensor of "
