@@ -50,6 +50,20 @@
 //! segments that cover every object byte exactly once, byte counts that agree with dtype × shape, shards that tile dim 0,
 //! and headers that agree with the tensor list. Checksums are checked on every read.
 //!
+//! # Sharded tensors
+//!
+//! A writer declares that a tensor of its file is one shard of a bigger tensor cut along dim 0
+//! in its safetensors header, `__metadata__["elastic.shards"]` ([`SHARDS_METADATA_KEY`]): JSON
+//! text `{"<tensor>": {"global_shape": [...], "dim0_offset": n}}`. The file holds the rows
+//! `[n, n + shape[0])` of the global tensor; a shard may hold no rows (`shape[0] == 0`). The
+//! manifest lists every writer's shard; together they tile dim 0.
+//!
+//! A restore for rank `r` of a world of `W` gives every sharded tensor rows
+//! `[min(r * c, R), min((r + 1) * c, R))` of its `R` rows, with `c = ceil(R / W)`: PyTorch's
+//! `Shard(0)` rule, what a DTensor (and FSDP2) holds on that rank, so ranks past the last
+//! chunk get `[0, ...]` tensors ([`crate::restore::rows_for_rank`]). The restored file declares
+//! those rows in its own `elastic.shards`, so it can be saved again as it is.
+//!
 //! # What bad input gets
 //!
 //! Nothing below panics, and none of it costs a committed step. "Falls back" means: a read

@@ -93,8 +93,9 @@
 //!
 //! Sharded tensors are cut along dim 0. A writer declares a shard through
 //! [`PartInput::shards`] or its file's `__metadata__["elastic.shards"]`
-//! (`{"name": {"global_shape": [..], "dim0_offset": n}}`); restore gives rank `r` of `W` rows
-//! `[rows·r/W, rows·(r+1)/W)` and declares them the same way in its output.
+//! (`{"name": {"global_shape": [..], "dim0_offset": n}}`); restore gives rank `r` of `W` the
+//! rows PyTorch's `Shard(0)` gives it ([`restore::rows_for_rank`]: chunks of `ceil(rows / W)`,
+//! possibly none) and declares them the same way in its output.
 
 pub mod alloc;
 pub mod codec;

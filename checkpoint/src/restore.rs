@@ -71,10 +71,14 @@ pub struct RestoreReport {
     pub metadata: serde_json::Value,
 }
 
-/// Rows `[lo, hi)` of dim 0 that `rank` of `world` gets of a tensor with `rows` rows.
+/// Rows `[lo, hi)` of dim 0 that `rank` of `world` gets of a tensor with `rows` rows: PyTorch's
+/// `Shard(0)` rule (what DTensor and FSDP2 give each rank), chunks of `ceil(rows / world)` rows
+/// in rank order, so `[min(rank * c, rows), min((rank + 1) * c, rows))`. The last ranks may get
+/// fewer rows, or none. `world` must be at least 1.
 pub fn rows_for_rank(rows: u64, rank: u32, world: u32) -> (u64, u64) {
-    let cut = |r: u32| (u128::from(rows) * u128::from(r) / u128::from(world)) as u64;
-    (cut(rank), cut(rank + 1))
+    let chunk = u128::from(rows.div_ceil(u64::from(world)));
+    let at = |r: u32| (chunk * u128::from(r)).min(u128::from(rows)) as u64;
+    (at(rank), at(rank + 1))
 }
 
 impl Store {
@@ -120,10 +124,10 @@ impl Store {
     }
 
     /// Restores what `rank` of `world` needs from `step` into `dest/state.safetensors` (and
-    /// `dest/metadata.json`): every replicated tensor whole, and rows
-    /// `[rows*rank/world, rows*(rank+1)/world)` of every sharded tensor, re-cut from however
-    /// many shards it was saved as. Shards are declared again in the output's
-    /// `__metadata__["elastic.shards"]`, so saving the restored file keeps them sharded.
+    /// `dest/metadata.json`): every replicated tensor whole, and rows [`rows_for_rank`] of every
+    /// sharded tensor (possibly none), re-cut from however many shards it was saved as. Shards
+    /// are declared again in the output's `__metadata__["elastic.shards"]`, so saving the
+    /// restored file keeps them sharded.
     ///
     /// With `step == None`, takes the newest committed step that restores, and falls back to
     /// older ones (with a warning naming the step and the reason) when it is corrupt or
@@ -281,17 +285,58 @@ mod tests {
 
     #[test]
     fn rows_for_rank_tiles_every_world_size() {
-        for rows in [0u64, 1, 5, 7, 64, 1001] {
-            for world in [1u32, 2, 3, 4, 8] {
+        for rows in [0u64, 1, 2, 5, 7, 37, 64, 1001] {
+            for world in [1u32, 2, 3, 4, 8, 13] {
+                let chunk = rows.div_ceil(u64::from(world));
                 let mut next = 0;
                 for r in 0..world {
                     let (lo, hi) = rows_for_rank(rows, r, world);
-                    assert_eq!(lo, next);
-                    assert!(hi >= lo && hi - lo <= rows / u64::from(world) + 1);
+                    assert_eq!(lo, next, "rows {rows} world {world} rank {r}");
+                    assert!(hi >= lo && hi - lo <= chunk);
                     next = hi;
                 }
                 assert_eq!(next, rows);
             }
         }
+    }
+
+    /// Local dim-0 sizes PyTorch's `Shard(0)` gives each rank (from
+    /// `Shard.local_shard_size_and_offset` in torch 2.13): a restore hands every rank of an
+    /// FSDP2 model exactly the rows of its own DTensor shards.
+    #[test]
+    fn rows_for_rank_gives_torchs_shard_sizes() {
+        let table: &[(u64, &[u64])] = &[
+            (0, &[0, 0]),
+            (1, &[1, 0, 0]),
+            (2, &[1, 1, 0, 0]),
+            (5, &[3, 2]),
+            (5, &[2, 2, 1]),
+            (5, &[2, 2, 1, 0]),
+            (5, &[1, 1, 1, 1, 1, 0, 0, 0]),
+            (7, &[2, 2, 2, 1]),
+            (9, &[3, 3, 3, 0]),
+            (10, &[4, 4, 2]),
+            (10, &[2, 2, 2, 2, 2, 0, 0, 0]),
+            (29, &[8, 8, 8, 5]),
+            (37, &[19, 18]),
+            (37, &[13, 13, 11]),
+            (37, &[10, 10, 10, 7]),
+        ];
+        for (rows, sizes) in table {
+            let world = sizes.len() as u32;
+            let got: Vec<u64> = (0..world)
+                .map(|r| {
+                    let (lo, hi) = rows_for_rank(*rows, r, world);
+                    hi - lo
+                })
+                .collect();
+            assert_eq!(&got, sizes, "rows {rows} over {world} ranks");
+        }
+    }
+
+    #[test]
+    fn rows_for_rank_does_not_overflow_at_the_largest_sizes() {
+        assert_eq!(rows_for_rank(u64::MAX, u32::MAX - 1, u32::MAX).1, u64::MAX);
+        assert_eq!(rows_for_rank(3, u32::MAX - 1, u32::MAX), (3, 3));
     }
 }

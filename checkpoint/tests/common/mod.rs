@@ -184,11 +184,14 @@ pub async fn pull_is_byte_identical_to_push(store: &Store) {
     assert_eq!(latest.metadata["loader"]["epoch"], 2);
 }
 
-/// The global state the resharding tests save: two sharded tensors and two replicated ones.
+/// The global state the resharding tests save: three sharded tensors and three replicated
+/// ones. `head` has 2 rows, so that the last ranks of a world of 4 or 8 hold none of it (as
+/// FSDP2's do): empty shards are saved and restored as `[0, 3]` tensors.
 pub fn global_state() -> (Vec<T>, Vec<T>) {
     let sharded = vec![
         tensor("w", "F32", &[37, 5], 11),
         tensor("emb", "BF16", &[64, 8], 12),
+        tensor("head", "F32", &[2, 3], 16),
     ];
     let replicated = vec![
         tensor("bias", "F32", &[5], 13),

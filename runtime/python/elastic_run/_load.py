@@ -43,7 +43,11 @@ def load(state=None, optimizer=None, resume_dir=None, *, model=None, strict=True
     Two layouts are read: what the agent restores from the checkpoint store
     (``DIR/rank-$RANK/state.safetensors`` with every tensor this rank needs, and
     ``DIR/rank-$RANK/metadata.json``), and a staged snapshot (``DIR/rank-*/tensors.safetensors``
-    and ``meta.json``, every rank's share). Without ``resume_dir``, the step read must be
+    and ``meta.json``, every rank's share). Sharded state (FSDP2's DTensors, saved as each
+    rank's rows) loads into the DTensors ``state`` holds at any world size: a restore holds this
+    rank's rows, and a staged snapshot's shards are put together and cut here; rows cut for
+    another rank or world are a :class:`FormatError` or :class:`StateError` naming the tensor.
+    Without ``resume_dir``, the step read must be
     ``$ELASTIC_RESUME_STEP`` when that is set. Raises :class:`FormatError` (a ``ValueError``)
     on malformed metadata or tensor files, an unknown format version, a step that does not
     match, or a directory that is neither layout."""
@@ -53,12 +57,13 @@ def load(state=None, optimizer=None, resume_dir=None, *, model=None, strict=True
     if not d or not os.path.isdir(d):
         return None
     mine = os.path.join(d, f"rank-{rank()}")
+    shards = {}
     if os.path.isfile(os.path.join(mine, _RESTORED)):
-        step, tensors, rest = _read_restored(mine)
+        step, tensors, rest = _read_restored(mine, shards=shards)
     elif _is_restore_dir(d):
         raise FormatError(f"{d}: restored for other ranks: no {_RESTORED} for rank {rank()}")
     else:
-        step, tensors, rest = _read_staged(d)
+        step, tensors, rest = _read_staged(d, shards=shards)
     expected = resume_step() if from_env else None
     if expected is not None and step != expected:
         raise FormatError(f"{d}: holds step {step}, but ELASTIC_RESUME_STEP is {expected}")
@@ -66,8 +71,11 @@ def load(state=None, optimizer=None, resume_dir=None, *, model=None, strict=True
         if not _tree.is_skeleton(rest):
             raise _tree.StateError(f"{d}: step {step} was saved with save(step, model=, optimizer=, extra=): "
                                    "load it with load(model=, optimizer=)")
-        _tree.apply(state, rest, tensors, d, strict=strict)
+        _tree.apply(state, rest, tensors, d, strict=strict, shards=shards)
         return step
+    if shards:
+        raise _tree.StateError(f"{d}: step {step} holds sharded tensors ({_describe(sorted(shards))}), which "
+                               "only load(state) puts into their DTensors")
     if _tree.is_skeleton(rest):
         raise _tree.StateError(f"{d}: step {step} was saved from a state mapping "
                                f"({', '.join(map(repr, sorted(rest['entries'])))}): load it with load(state)")
@@ -145,6 +153,35 @@ def _read_tensors(path, check=None):
         raise FormatError(f"{path}: not a safetensors file: {e}") from None
 
 
+def _read_shards(path, header, tensors):
+    """The shard declarations of tensor file ``path`` (its header's ``elastic.shards``), each
+    checked against the tensor it names: ``{name: {"global_shape": [...], "dim0_offset": n}}``."""
+    text = header.get(protocol._SHARDS_KEY)
+    if text is None:
+        return {}
+    where = f"{path}: {protocol._SHARDS_KEY}"
+    declared = _parse_json(text.encode(), where)
+    if not isinstance(declared, dict):
+        raise FormatError(f"{where} is {_describe(declared)}, not an object")
+    out = {}
+    for name, spec in declared.items():
+        at = f"{where}[{name!r}]"
+        t = tensors.get(name)
+        if t is None:
+            raise FormatError(f"{at}: names a tensor the file does not hold")
+        if not (isinstance(spec, dict) and set(spec) == {"global_shape", "dim0_offset"}):
+            raise FormatError(f"{at} is {_describe(spec)}, not {{'global_shape': [...], 'dim0_offset': n}}")
+        shape, lo = spec["global_shape"], spec["dim0_offset"]
+        if not (isinstance(shape, list) and shape and all(_is_int(n) and n >= 0 for n in shape)):
+            raise FormatError(f"{at}: global_shape {_describe(shape)} is not the shape of a tensor of 1 or more dims")
+        if not _is_int(lo) or lo < 0:
+            raise FormatError(f"{at}: dim0_offset {_describe(lo)} is not a row number")
+        if list(t.shape[1:]) != shape[1:] or t.dim() != len(shape) or lo + t.shape[0] > shape[0]:
+            raise FormatError(f"{at}: a tensor of shape {list(t.shape)} is not rows of {shape} from row {lo}")
+        out[name] = {"global_shape": shape, "dim0_offset": lo}
+    return out
+
+
 def _is_restore_dir(d):
     if os.path.isfile(os.path.join(d, _RESTORED_MARKER)):
         return True
@@ -154,7 +191,9 @@ def _is_restore_dir(d):
     return False
 
 
-def _read_restored(d):
+def _read_restored(d, shards=None):
+    """``(step, tensors, rest)`` of a restored rank directory; ``shards``, a dict, receives the
+    declarations of the tensors that are this rank's rows of a sharded tensor."""
     path = os.path.join(d, _RESTORED_META)
     meta = _read_object(path)
     version = meta.get("format_version", 1)
@@ -169,21 +208,43 @@ def _read_restored(d):
     rest = _get(path, md, "state", dict, {}, "metadata.")
     _check_state(rest, path, "metadata.state.")
 
+    header_of = {}
+
     def check(header, keys):
         saved_step = header.get("elastic.step")
         if saved_step is not None and saved_step != str(step):
             raise FormatError(f"{d}: {_RESTORED} holds step {saved_step[:40]}, {_RESTORED_META} says step {step}")
-        # Sharded rows depend on the rank and world they were cut for; replicated tensors
-        # serve any rank (the agent links one restore for all of its ranks).
-        if header.get("elastic.shards"):
-            for key, have, want in (("rank", r, rank()), ("world_size", world, world_size())):
-                if have != want:
-                    raise FormatError(f"{path}: sharded state restored for {key} {have!r}, this worker has {want}")
+        header_of.update(header)
 
-    return step, _read_tensors(os.path.join(d, _RESTORED), check), rest
+    tensors_path = os.path.join(d, _RESTORED)
+    tensors = _read_tensors(tensors_path, check)
+    found = _read_shards(tensors_path, header_of, tensors)
+    if found:
+        # Sharded rows depend on the rank and world they were cut for (the tensor file's header
+        # says which); replicated tensors serve any rank (the agent links one restore for all
+        # of its ranks, each with its own metadata.json).
+        named = _describe(sorted(found))
+        for key, have in (("rank", r), ("world_size", world),
+                          ("rank", header_of.get("elastic.rank")), ("world_size", header_of.get("elastic.world_size"))):
+            want = rank() if key == "rank" else world_size()
+            if have is not None and str(have) != str(want):
+                raise FormatError(f"{path}: sharded state (tensors {named}) restored for {key} {str(have)[:40]}, "
+                                  f"this worker has {want}")
+        for name, spec in sorted(found.items()):
+            lo, hi = protocol.rows_for_rank(spec["global_shape"][0], rank(), world_size())
+            have = (spec["dim0_offset"], spec["dim0_offset"] + tensors[name].shape[0])
+            if have != (lo, hi):
+                raise FormatError(f"{tensors_path}: tensor {name!r} holds rows [{have[0]}, {have[1]}) of "
+                                  f"{spec['global_shape'][0]}, rank {rank()} of {world_size()} holds [{lo}, {hi})")
+    if shards is not None:
+        shards.update(found)
+    return step, tensors, rest
 
 
-def _read_staged(d):
+def _read_staged(d, shards=None):
+    """``(step, tensors, rest)`` of a staged snapshot (every rank's share): replicated tensors
+    whole, sharded ones assembled from every rank's shard and cut to this rank's rows, which
+    ``shards`` (a dict) receives the declarations of."""
     metas = {}
     for name in os.listdir(d):
         if not (name.startswith("rank-") and os.path.isdir(os.path.join(d, name))):
@@ -219,18 +280,61 @@ def _read_staged(d):
     rest = _get(os.path.join(d, metas[0][0], _META), metas[0][1], "state", dict, {})
     _check_state(rest, os.path.join(d, metas[0][0], _META), "state.")
     tensors = {}
+    # Sharded tensor name -> [(dim0_offset, global_shape, the shard)] from every rank.
+    pieces = {}
     for r, (name, m) in metas.items():
         path = os.path.join(d, name, _TENSORS)
+        header_of = {}
 
-        def check(header, keys, name=name, m=m):
+        def check(header, keys, name=name, m=m, header_of=header_of):
             if set(keys) != set(m["keys"]):
                 raise FormatError(f"{d}/{name}: tensors do not match {_META}")
+            header_of.update(header)
 
-        for k, t in _read_tensors(path, check).items():
-            if k in tensors:
+        got = _read_tensors(path, check)
+        found = _read_shards(path, header_of, got)
+        for k, t in got.items():
+            if k in tensors or (k in pieces and k not in found):
                 raise FormatError(f"{d}: tensor {k!r} stored twice")
-            tensors[k] = t
+            if k in found:
+                pieces.setdefault(k, []).append((found[k]["dim0_offset"], found[k]["global_shape"], t))
+            else:
+                tensors[k] = t
+    for k, parts in pieces.items():
+        if k in tensors:
+            raise FormatError(f"{d}: tensor {k!r} stored twice")
+        tensors[k], spec = _rows_of(d, k, parts, rank(), world_size())
+        if shards is not None:
+            shards[k] = spec
     return step, tensors, rest
+
+
+def _rows_of(d, name, parts, rank_, world):
+    """The rows ``rank_`` of ``world`` holds of sharded tensor ``name``, cut from every rank's
+    shard of it (``parts``: ``(dim0_offset, global_shape, shard)``), which must tile dim 0.
+    Returns the rows and their shard declaration."""
+    import torch
+
+    shapes = {tuple(g) for _, g, _ in parts}
+    dtypes = {t.dtype for _, _, t in parts}
+    if len(shapes) != 1 or len(dtypes) != 1:
+        raise FormatError(f"{d}: the shards of tensor {name!r} disagree: global shapes {sorted(shapes)}, "
+                          f"dtypes {sorted(map(str, dtypes))}")
+    shape = list(shapes.pop())
+    parts = sorted(parts, key=lambda p: (p[0], p[2].shape[0]))
+    row = 0
+    for lo, _, t in parts:
+        if lo != row:
+            raise FormatError(f"{d}: the shards of tensor {name!r} do not tile dim 0: a shard at row {lo}, "
+                              f"expected row {row}")
+        row += t.shape[0]
+    if row != shape[0]:
+        raise FormatError(f"{d}: the shards of tensor {name!r} cover {row} rows of {shape[0]}")
+    lo, hi = protocol.rows_for_rank(shape[0], rank_, world)
+    mine = [t[max(lo, at) - at:min(hi, at + t.shape[0]) - at] for at, _, t in parts
+            if max(lo, at) < min(hi, at + t.shape[0])]
+    rows = torch.cat(mine) if mine else torch.empty((0, *shape[1:]), dtype=dtypes.pop())
+    return rows, {"global_shape": shape, "dim0_offset": lo}
 
 
 def _apply(tensors, rest, model, optimizer, where):

@@ -79,6 +79,9 @@ def _flatten(model, optimizer, extra):
     tensors, rest = {}, {}
     if model is not None:
         for k, v in _unwrap(model).state_dict().items():
+            if _tree.is_dtensor(v):
+                raise TypeError(f"elastic_run: model {k!r} is a DTensor: save sharded (FSDP2) state in the state "
+                                "mapping form, save(step, {'model': model, 'opt': opt, ...})")
             tensors["model/" + k] = v
     if optimizer is not None:
         sd = optimizer.state_dict()
@@ -157,6 +160,9 @@ def _staging_dir(caller):
 
 
 def _storage_key(t):
+    if _tree.is_dtensor(t):
+        # What a snapshot writes of a DTensor is its local tensor.
+        t = t.to_local()
     return t.untyped_storage().data_ptr() if t.numel() else None
 
 
@@ -180,9 +186,11 @@ class _Snapshot:
     state's own memory (written as they are: nothing may change them until the write ends) or
     host copies made for the snapshot; the writer moves device tensors to the host one by one."""
 
-    def __init__(self, staging, step, rank_, world, tensors, rest):
+    def __init__(self, staging, step, rank_, world, tensors, rest, shards=None):
         self.staging, self.step, self.rank, self.world = staging, step, rank_, world
         self.tensors = tensors
+        # The shard declarations of the tensors that are this rank's rows of a sharded one.
+        self.shards = shards or {}
         # meta.json as bytes now: later changes to the objects the JSON state came from do not
         # reach the snapshot, and what is not JSON, or what load could not read back (too big,
         # too deep), fails here, in the caller.
@@ -213,17 +221,26 @@ def _snapshot(staging, step, model, optimizer, extra, copy_unguarded, state=None
     r, w = rank(), world_size()
     if r >= w:
         raise FormatError(f"RANK={r} is not below WORLD_SIZE={w}")
+    shards = {}
     if state is not None:
-        tensors, rest = _tree.encode(state)
+        tensors, rest, shards = _tree.encode(state)
         opts = _tree.optimizers(state)
     else:
         tensors, rest = _flatten(model, optimizer, extra)
         opts = [optimizer]
-    owner = assign_keys({k: v.numel() * v.element_size() for k, v in tensors.items()}, w)
+    if shards:
+        import torch.distributed as dist
+
+        # Shards are cut by the process group's ranks, and restored by RANK of WORLD_SIZE.
+        if (dist.get_rank(), dist.get_world_size()) != (r, w):
+            raise FormatError(f"the process group is rank {dist.get_rank()} of {dist.get_world_size()}, but "
+                              f"RANK={r} and WORLD_SIZE={w}: sharded state cannot be saved")
+    # Replicated tensors are split between the ranks by bytes; each rank writes its own shards.
+    owner = assign_keys({k: v.numel() * v.element_size() for k, v in tensors.items() if k not in shards}, w)
     guarded = set().union(*(_guarded_storages(o) for o in opts)) if copy_unguarded else set()
     mine = {}
     for k, v in tensors.items():
-        if owner[k] != r:
+        if k not in shards and owner[k] != r:
             continue
         t = v.detach()
         if copy_unguarded and _storage_key(t) not in guarded:
@@ -233,7 +250,7 @@ def _snapshot(staging, step, model, optimizer, extra, copy_unguarded, state=None
         # Tensors sharing memory (tied weights) need nothing special: the writer writes each
         # key's bytes on their own.
         mine[k] = t
-    return _Snapshot(staging, step, r, w, mine, rest)
+    return _Snapshot(staging, step, r, w, mine, rest, shards)
 
 
 # safetensors dtype names.
@@ -344,7 +361,12 @@ def _write_snapshot_inner(snap, conn):
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     _makedirs_private(tmp)
-    _write_safetensors(os.path.join(tmp, _TENSORS), snap.tensors, {"step": str(step), "rank": str(r)})
+    header = {"step": str(step), "rank": str(r)}
+    if snap.shards:
+        # The agent reads these when it uploads the file: the manifest records each shard's
+        # rows, and a restore cuts every rank's own rows from them.
+        header[protocol._SHARDS_KEY] = json.dumps(snap.shards, separators=(",", ":"), sort_keys=True)
+    _write_safetensors(os.path.join(tmp, _TENSORS), snap.tensors, header)
     fd = _open_private(os.path.join(tmp, _META))
     try:
         _write_all(fd, snap.meta_json)
@@ -376,7 +398,10 @@ def save(step, state=None, optimizer=None, extra=None, *, model=None):
     taken to be equal on every rank (data-parallel state), and one copy of it is kept, its
     tensors split between the ranks by bytes. State that differs by rank (an RNG seeded by rank,
     a loader over a ``DistributedSampler``'s slice) is not kept per rank; :class:`ElasticSampler`
-    gives every rank the same stream state. Returns the directory
+    gives every rank the same stream state. Sharded state is the exception: a DTensor placed
+    ``Shard(0)`` on a 1-D mesh of every rank (FSDP2's ``fully_shard`` parameters and their
+    optimizer state) is written by each rank as its own rows, with their place in the global
+    tensor, and a restore at any world size gives each rank its new rows. Returns the directory
     written, or None when the staging file system is full: that checkpoint is then skipped
     with a warning giving the sizes, and training goes on. A pending :func:`async_save` is finished first.
 

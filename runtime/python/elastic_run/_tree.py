@@ -25,6 +25,13 @@ starts with ``$``:
     {"$int": "digits"}   an int beyond 2**53 - 1                                 key starting "$"
     {"$bytes": base64}   bytes                              {"$dtype": "float32"}, {"$device": "cpu"}
 
+A DTensor on a 1-D device mesh (FSDP2's ``fully_shard`` parameters and their optimizer
+state) is stored as this rank's local shard under its usual name: with ``Shard(0)`` its rows
+``[lo, hi)`` of the global tensor are declared in the tensor file's ``elastic.shards``
+metadata (see :func:`encode`), and a restore to any world size gives each rank its own rows;
+with ``Replicate()`` it is a plain tensor. Loading wraps the rows back into a DTensor like the
+one the target holds at that place.
+
 Tensor names are ``state/<entry>/<path>``: a module's tensors are ``state/model/<its
 state_dict() name>``. Path parts are dict keys and list indices; a str key is written with
 ``%``, ``/``, ``\\``, control characters and a leading ``~`` percent-escaped (and ``""``,
@@ -71,6 +78,38 @@ def is_tensor(v):
     except ImportError:
         return False
     return isinstance(v, torch.Tensor)
+
+
+def is_dtensor(v):
+    """Whether ``v`` is a ``torch.distributed.tensor.DTensor`` (FSDP2's parameters are)."""
+    if type(v).__name__ != "DTensor":  # cheap, and no torch.distributed import for the rest
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(v, DTensor)
+
+
+def _placements(t):
+    """A DTensor's placements and mesh, for messages: ``[Shard(dim=0)] on a 1-D mesh``."""
+    return f"placements {list(t.placements)} on a {t.device_mesh.ndim}-D device mesh"
+
+
+def _fsdp_layout(t):
+    """``"shard"`` for a DTensor on a 1-D mesh placed ``Shard(0)``, ``"replicate"`` for one
+    placed ``Replicate()``, else None (2-D meshes, ``Shard(d)`` with ``d != 0``, ``Partial``,
+    strided shards): the layouts a checkpoint can hold at any world size."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if t.device_mesh.ndim != 1 or len(t.placements) != 1:
+        return None
+    p = t.placements[0]
+    if type(p) is Shard and p.dim == 0:
+        return "shard"
+    if type(p) is Replicate:
+        return "replicate"
+    return None
 
 
 def is_stateful(obj):
@@ -126,6 +165,8 @@ def _plain_key(k):
 class _Encoder:
     def __init__(self):
         self.tensors = {}
+        # Tensor name -> {"global_shape", "dim0_offset"} of the DTensor shards among them.
+        self.shards = {}
 
     def entry(self, name, obj):
         check_name(name)
@@ -205,11 +246,12 @@ class _Encoder:
             raise ValueError(f"elastic_run: {where}: the string is not valid Unicode ({e.reason})") from None
 
     def _tensor(self, t, key, where):
-        kind = type(t).__name__
-        if kind == "DTensor" or not type(t).__module__.startswith("torch"):
-            # A DTensor's local shard alone would be saved as if it were the whole tensor.
-            raise TypeError(f"elastic_run: {where}: a {kind} cannot be saved: only plain (replicated) "
-                            "tensors are supported by this client; call .full_tensor() on a DTensor first")
+        shard = None
+        if is_dtensor(t):
+            t, shard = self._local(t, where)
+        elif not type(t).__module__.startswith("torch"):
+            raise TypeError(f"elastic_run: {where}: a {type(t).__name__} cannot be saved: only torch tensors "
+                            "and DTensors")
         import torch
 
         if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
@@ -220,7 +262,37 @@ class _Encoder:
         if key in self.tensors:  # not reachable by the naming scheme; a guard against a change
             raise ValueError(f"elastic_run: {where}: tensor name {key!r} is used twice")
         self.tensors[key] = t
+        if shard is not None:
+            self.shards[key] = shard
         return key
+
+    def _local(self, t, where):
+        """A DTensor as ``(its local tensor, its shard declaration or None)``."""
+        layout = _fsdp_layout(t)
+        if layout is None:
+            raise TypeError(
+                f"elastic_run: {where}: a DTensor with {_placements(t)} cannot be saved: checkpoints hold "
+                "DTensors on a 1-D mesh placed Shard(0) (FSDP2's fully_shard) or Replicate(); call "
+                ".full_tensor() on it, or redistribute it to one of these")
+        local = t.to_local()
+        if layout == "replicate":
+            return local, None
+        import torch.distributed as dist
+
+        mesh = t.device_mesh
+        world = dist.get_world_size()
+        ranks = mesh.mesh.flatten().tolist()
+        if ranks != list(range(world)):
+            # A restore cuts rows by rank of the whole world: a mesh over other ranks (or in
+            # another order) would be handed rows that are not its own.
+            raise TypeError(f"elastic_run: {where}: a DTensor sharded over the ranks {_describe(ranks)} cannot "
+                            f"be saved: its mesh must hold every rank of the world of {world}, in rank order")
+        rows = t.shape[0]
+        lo, hi = protocol.rows_for_rank(rows, mesh.get_local_rank(), world)
+        if tuple(local.shape) != (hi - lo, *t.shape[1:]):
+            raise TypeError(f"elastic_run: {where}: the local shard of a DTensor of shape {list(t.shape)} has "
+                            f"shape {list(local.shape)}, not rows [{lo}, {hi}) as Shard(0) cuts it")
+        return local.contiguous(), {"global_shape": list(t.shape), "dim0_offset": lo}
 
     def _numpy(self, v, key, where):
         import numpy as np
@@ -240,23 +312,29 @@ def _json(v):
 
 
 def encode(state):
-    """``state`` (a mapping of names to objects) as ``(tensors, skeleton)``: tensors by name,
-    and the JSON-able skeleton. Raises TypeError or ValueError naming the entry and the place
-    of what cannot be saved."""
+    """``state`` (a mapping of names to objects) as ``(tensors, skeleton, shards)``: tensors by
+    name, the JSON-able skeleton, and the shard declarations of the tensors that are this
+    rank's rows of a ``Shard(0)`` DTensor, ``{name: {"global_shape": [...], "dim0_offset":
+    lo}}`` (the others are whole). Raises TypeError or ValueError naming the entry and the
+    place of what cannot be saved."""
     if not isinstance(state, Mapping):
         raise TypeError(f"elastic_run: the state is a {type(state).__name__}, not a mapping of names to objects")
     e = _Encoder()
     entries = {name: e.entry(name, obj) for name, obj in state.items()}
-    return e.tensors, {"format": STATE_FORMAT, "entries": entries}
+    return e.tensors, {"format": STATE_FORMAT, "entries": entries}, e.shards
+
+
+def _is_optimizer(obj):
+    try:
+        import torch
+    except ImportError:
+        return False
+    return isinstance(obj, torch.optim.Optimizer)
 
 
 def optimizers(state):
     """The optimizers among the state's entries."""
-    try:
-        import torch
-    except ImportError:
-        return []
-    return [o for o in state.values() if isinstance(o, torch.optim.Optimizer)]
+    return [o for o in state.values() if _is_optimizer(o)]
 
 
 def is_skeleton(rest):
@@ -387,10 +465,128 @@ def _check_fits(saved, current, at, where):
             _check_fits(v, c, f"{at}[{i}]", where)
 
 
-def apply(state, skeleton, tensors, where, strict=True):
+class _Fit:
+    """Puts the checkpoint's tensors into the shape of the target's DTensors: where the target
+    holds a DTensor, the tensor read is this rank's rows of it (a sharded tensor, ``shards``
+    says which rows) or the whole of it, and becomes a DTensor of the target's mesh and
+    placements. A sharded tensor with no DTensor to go into must be whole (a world of one)."""
+
+    def __init__(self, tensors, shards, where):
+        # Decoded values hold the very tensor objects read, so identity finds their names.
+        self.names = {id(t): k for k, t in tensors.items()}
+        self.shards, self.where = shards or {}, where
+
+    def fail(self, at, what):
+        raise StateError(f"{self.where}: {at}: {what}")
+
+    def spec(self, t):
+        return self.shards.get(self.names.get(id(t)))
+
+    def walk(self, saved, current, at):
+        """``saved`` with every tensor fitted to what ``current`` (the target's value, or None)
+        holds at its place."""
+        if is_tensor(saved):
+            return self.tensor(saved, current, at)
+        if isinstance(saved, dict):
+            cur = current if isinstance(current, Mapping) else {}
+            return {k: self.walk(v, cur.get(k), f"{at}[{k!r}]") for k, v in saved.items()}
+        if isinstance(saved, (list, tuple)):
+            cur = list(current) if isinstance(current, (list, tuple)) else []
+            out = [self.walk(v, cur[i] if i < len(cur) else None, f"{at}[{i}]") for i, v in enumerate(saved)]
+            return out if isinstance(saved, list) else tuple(out)
+        return saved
+
+    def tensor(self, saved, current, at):
+        spec = self.spec(saved)
+        if is_dtensor(current):
+            return self.dtensor(saved, spec, current, at)
+        if spec is not None and not (spec["dim0_offset"] == 0 and saved.shape[0] == spec["global_shape"][0]):
+            self.fail(at, f"the checkpoint holds rows [{spec['dim0_offset']}, {spec['dim0_offset'] + saved.shape[0]}) "
+                          f"of a tensor of shape {spec['global_shape']} sharded along dim 0, and the state has "
+                          f"{_what(current)} there: load it into the model sharded as it was saved (fully_shard), "
+                          "whose DTensors take this rank's rows")
+        return saved
+
+    def dtensor(self, saved, spec, like, at):
+        """``saved`` as a DTensor like ``like``: its rows for this rank, checked."""
+        from torch.distributed.tensor import DTensor
+
+        layout = _fsdp_layout(like)
+        if layout is None:
+            self.fail(at, f"the state holds a DTensor with {_placements(like)}: checkpoints load into DTensors on "
+                          "a 1-D mesh placed Shard(0) (FSDP2's fully_shard) or Replicate()")
+        glob = list(like.shape)
+        if spec is not None and spec["global_shape"] != glob:
+            self.fail(at, f"the checkpoint holds a shard of a tensor of shape {spec['global_shape']}, the state's "
+                          f"DTensor has shape {glob}")
+        if layout == "replicate":
+            lo, hi = 0, glob[0] if glob else 0
+        else:
+            mesh = like.device_mesh
+            lo, hi = protocol.rows_for_rank(glob[0], mesh.get_local_rank(), mesh.size())
+            if tuple(like.to_local().shape) != (hi - lo, *glob[1:]):
+                self.fail(at, f"the state's DTensor of shape {glob} holds a local shard of shape "
+                              f"{list(like.to_local().shape)}, not rows [{lo}, {hi}) as Shard(0) cuts it")
+        if spec is None:
+            # Whole (saved unsharded: by DDP, or as Replicate()): this rank's rows of it.
+            if list(saved.shape) != glob:
+                self.fail(at, f"the checkpoint holds a tensor of shape {list(saved.shape)}, the state's DTensor "
+                              f"has shape {glob}")
+            local = saved if layout == "replicate" else saved[lo:hi]
+        else:
+            have = (spec["dim0_offset"], spec["dim0_offset"] + saved.shape[0])
+            if have != (lo, hi):
+                self.fail(at, f"the checkpoint holds rows [{have[0]}, {have[1]}) of this tensor of {glob[0]} rows, "
+                              f"this rank's DTensor holds rows [{lo}, {hi}): it was restored for another rank or "
+                              "world size")
+            local = saved
+        return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
+
+    def optimizer(self, value, opt, at):
+        """An optimizer's saved state_dict() with the state of DTensor parameters as DTensors.
+        A fresh optimizer holds no state to compare with: each state tensor takes the mesh and
+        placements of its parameter (``state`` is keyed by the parameters' positions in
+        ``param_groups`` order)."""
+        state = value.get("state")
+        if not isinstance(state, dict):
+            return self.walk(value, None, at)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        out = {}
+        for idx, st in state.items():
+            a = f"{at}['state'][{idx!r}]"
+            p = params[idx] if isinstance(idx, int) and not isinstance(idx, bool) and 0 <= idx < len(params) else None
+            if not (isinstance(st, dict) and is_dtensor(p)):
+                out[idx] = self.walk(st, None, a)
+                continue
+            out[idx] = {}
+            for k, v in st.items():
+                # A tensor saved as rows, or of the parameter's shape (exp_avg, momentum...),
+                # goes with the parameter; scalars (Adam's step) stay as they are.
+                with_param = is_tensor(v) and v.dim() > 0 and (
+                    self.spec(v) is not None or list(v.shape) == list(p.shape))
+                out[idx][k] = (self.dtensor(v, self.spec(v), p, f"{a}[{k!r}]") if with_param
+                               else self.walk(v, None, f"{a}[{k!r}]"))
+        rest = {k: self.walk(v, None, f"{at}[{k!r}]") for k, v in value.items() if k != "state"}
+        return {**rest, "state": out}
+
+
+def _what(v):
+    if v is None:
+        return "nothing"
+    if is_tensor(v):
+        return f"a plain tensor of shape {list(v.shape)}"
+    return f"a {type(v).__name__}"
+
+
+def apply(state, skeleton, tensors, where, strict=True, shards=None):
     """Fills ``state`` in place from a checkpoint's skeleton and tensors: Stateful entries
     through ``load_state_dict``, plain values set in the mapping. Everything is decoded and
-    checked before anything is loaded. ``where`` names the checkpoint in errors."""
+    checked before anything is loaded. ``where`` names the checkpoint in errors.
+
+    ``shards`` declares which tensors are this rank's rows of a tensor sharded along dim 0
+    (``{name: {"global_shape": [...], "dim0_offset": lo}}``, as the tensor file's
+    ``elastic.shards`` says): each goes into the DTensor the target holds at its place, whose
+    own rows they must be."""
     if not isinstance(state, Mapping):
         raise TypeError(f"elastic_run: the state is a {type(state).__name__}, not a mapping of names to objects")
     fmt = skeleton.get("format")
@@ -409,6 +605,7 @@ def apply(state, skeleton, tensors, where, strict=True):
             parts.append(f"holds {', '.join(map(repr, unknown))}, which the state does not name")
         raise StateError(f"{where}: the checkpoint {' and '.join(parts)} (load(..., strict=False) allows it)")
     d = _Decoder(tensors, where)
+    fit = _Fit(tensors, shards, where)
     plan = []
     for name in sorted(set(entries) & set(state)):
         e = entries[name]
@@ -423,10 +620,17 @@ def apply(state, skeleton, tensors, where, strict=True):
                                  f"holds a {type(target).__name__}, which has no load_state_dict()")
             if not isinstance(value, dict):
                 raise FormatError(f"{where}: {at} holds {_describe(value)}, not a state_dict()")
-            _check_fits(value, unwrap(target).state_dict(), at, where)
+            current = unwrap(target).state_dict()
+            if _is_optimizer(target):
+                value = fit.optimizer(value, target, at)
+            else:
+                value = fit.walk(value, current, at)
+            _check_fits(value, current, at, where)
         elif is_stateful(target):
             raise StateError(f"{where}: {at} was saved as a plain value; the state holds a "
                              f"{type(target).__name__}, a Stateful object")
+        else:
+            value = fit.walk(value, target, at)
         plan.append((name, e["stateful"], value))
     if any(not stateful for _, stateful, _ in plan) and not isinstance(state, MutableMapping):
         raise TypeError("elastic_run: load sets plain values in the state: pass a dict")

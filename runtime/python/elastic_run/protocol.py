@@ -44,6 +44,20 @@ _RESTORED_MARKER = "restored.json"
 # The restore metadata versions this client reads (``metadata.json`` has no version field yet;
 # a future one must say so).
 _RESTORED_VERSIONS = (1,)
+# The safetensors ``__metadata__`` key under which a tensor file (staged or restored) declares
+# its sharded tensors: JSON text ``{"<tensor>": {"global_shape": [...], "dim0_offset": n}}``,
+# the tensor being rows ``[n, n + shape[0])`` of the global one (the checkpoint crate's
+# ``format::SHARDS_METADATA_KEY``).
+_SHARDS_KEY = "elastic.shards"
+
+
+def rows_for_rank(rows, rank, world):
+    """Rows ``[lo, hi)`` of dim 0 that ``rank`` of ``world`` holds of a tensor of ``rows`` rows:
+    PyTorch's ``Shard(0)`` rule (what DTensor and FSDP2 give each rank), chunks of
+    ``ceil(rows / world)`` rows in rank order; the last ranks may hold fewer or none. The
+    checkpoint crate's restore cuts by the same rule (``restore::rows_for_rank``)."""
+    chunk = -(-rows // world)
+    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
 
 # --- messages ------------------------------------------------------------------------------------
 
