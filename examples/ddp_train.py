@@ -10,9 +10,11 @@
   (one state mapping); resumes from ELASTIC_RESUME_DIR when the agent sets it.
 - A cosine LR schedule over --lr-decay-steps, times elastic-run's LR scale (elastic_run.scale_lr);
   gloo on CPU, NCCL on GPU; grad accumulation as the agent sets it.
+- --sample-log DIR records which samples every step trained on (tests read it back).
 """
 import argparse
 import hashlib
+import json
 import os
 import sys
 import time
@@ -26,16 +28,23 @@ except ImportError:  # running from a clone without `pip install ./runtime/pytho
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "runtime", "python"))
     import elastic_run as er
 
-N_SAMPLES = 8192
 N_FEATURES = 16
 
 
-def dataset(seed):
+def dataset(seed, n):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(N_SAMPLES, N_FEATURES, generator=g)
+    x = torch.randn(n, N_FEATURES, generator=g)
     w = torch.randn(N_FEATURES, 1, generator=g)
-    y = torch.sin(x @ w) + 0.1 * torch.randn(N_SAMPLES, 1, generator=g)
+    y = torch.sin(x @ w) + 0.1 * torch.randn(n, 1, generator=g)
     return x, y
+
+
+def open_sample_log(directory, rank):
+    """This process's sample log, DIR/gen-<generation>-rank-<rank>.jsonl: a new worker group
+    writes new files, so one that dies mid-line leaves its partial line at the end of its own."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    path = os.path.join(directory, f"gen-{er.generation()}-rank-{rank}.jsonl")
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
 
 
 def weights_digest(model):
@@ -56,6 +65,10 @@ def main():
                    help="the cosine schedule's length (T_max), independent of --steps so that a run "
                         "stopped early and continued follows the same schedule")
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--samples", type=int, default=8192, help="size of the generated data set")
+    p.add_argument("--sample-log", metavar="DIR", default=None,
+                   help="append one JSON line per step trained to DIR/gen-G-rank-R.jsonl: generation, "
+                        "step, rank, world, accum, batch and this rank's sample ids (tests)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (tests)")
     p.add_argument("--crash-at", type=int, default=None, help="rank --crash-rank exits 3 at this step (tests)")
     p.add_argument("--crash-rank", type=int, default=0)
@@ -77,8 +90,9 @@ def main():
     ).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.lr_decay_steps, eta_min=args.lr * 0.1)
-    x_all, y_all = dataset(args.seed)
-    sampler = er.ElasticSampler(N_SAMPLES, seed=args.seed, batch_size=batch)
+    x_all, y_all = dataset(args.seed, args.samples)
+    sampler = er.ElasticSampler(args.samples, seed=args.seed, batch_size=batch)
+    sample_log = open_sample_log(args.sample_log, rank) if args.sample_log else None
 
     if rank == 0:
         print(f"backend {backend or 'none'} world {world} device {device}", flush=True)
@@ -122,6 +136,12 @@ def main():
         opt.step()
         sched.step()
         sampler.advance()
+        if sample_log is not None:
+            # One write per line, before the step is reported: a step that a checkpoint
+            # holds is in every rank's log.
+            line = {"generation": er.generation(), "step": step, "rank": rank, "world": world,
+                    "accum": accum, "batch": batch, "ids": mine.tolist()}
+            os.write(sample_log, (json.dumps(line) + "\n").encode())
         if rank == 0:
             print(f"step {step} loss {total:.6f} lr {lr:.6g} world {world} accum {accum}", flush=True)
         er.report_progress(step)

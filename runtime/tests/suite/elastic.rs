@@ -906,3 +906,481 @@ fn with_etcd_auth_a_wrong_password_is_refused_unshown_and_a_user_reaches_only_it
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["job_state"]["outcome"], "succeeded", "{v}");
 }
+
+// ---- sharded (FSDP2) state ----
+
+/// `job`'s agent command for `node` with one worker running `examples/fsdp_train.py` `train`,
+/// and the job's other flags as they are.
+fn fsdp_agent(job: &Job, node: &str, train: &[&str]) -> Command {
+    let usual = job.command(node, "2:4", &format!("st-{node}"), train);
+    let mut args: Vec<std::ffi::OsString> = usual.get_args().map(|a| a.to_owned()).collect();
+    let nproc = args.iter().position(|a| a == "--nproc-per-node").unwrap();
+    args[nproc + 1] = "1".into();
+    let script = repo().join("examples/ddp_train.py");
+    let at = args.iter().position(|a| *a == *script.as_os_str()).unwrap();
+    args[at] = repo().join("examples/fsdp_train.py").into();
+    let mut c = agent(job.tmp.path());
+    c.envs(job.env.iter().map(|(k, v)| (k, v))).args(args);
+    c
+}
+
+/// The digests rank 0 of `examples/fsdp_train.py --log-digests` printed, by (event, step):
+/// every parameter and optimizer tensor, gathered whole, and the world that printed them.
+fn fsdp_digests(out: &str) -> Vec<(String, u64, u64, Value)> {
+    out.lines()
+        .filter_map(|l| l.strip_prefix("[rank 0] digests "))
+        .map(|j| {
+            let v: Value = serde_json::from_str(j).unwrap_or_else(|e| panic!("{e}: {j}"));
+            let event = v["event"].as_str().unwrap().to_string();
+            let (step, world) = (v["step"].as_u64().unwrap(), v["world"].as_u64().unwrap());
+            (event, step, world, v["tensors"].clone())
+        })
+        .collect()
+}
+
+#[test]
+fn fsdp_state_resumes_resharded_for_3_and_then_2_nodes_after_a_kill_and_a_preemption() {
+    let started = Instant::now();
+    let job = Job::new("file");
+    let train = ["--steps", "100000", "--step-sleep", "0.05", "--log-digests"];
+    let mut agents = Vec::new();
+    for node in ["a", "b", "c", "d"] {
+        agents.push(job.start_cmd(node, fsdp_agent(&job, node, &train)));
+        // Ranks follow the order of joining: a holds rank 0, whose output this test reads.
+        job.wait_event("the node to join", LONG, |e| {
+            is(e, "joined") && node_of(e) == node
+        });
+    }
+    let (mut d, c) = (agents.pop().unwrap(), agents.pop().unwrap());
+    let (mut a, b) = (agents.remove(0), agents.remove(0));
+    let g1 = job.wait_event("generation at world 4", LONG, |e| {
+        is(e, "generation") && e["world_size"] == 4
+    });
+    job.wait_event("a commit at world 4", LONG, |e| {
+        is(e, "checkpoint_committed") && e["generation"] == g1["generation"]
+    });
+
+    // kill -9 of d: a, b and c resume from the bucket at world 3 (the agents' restore cuts
+    // every rank's new rows).
+    signal(&d.child, libc::SIGKILL);
+    let _ = d.child.wait();
+    let g2 = job.wait_event("generation at world 3 after the kill", LONG, |e| {
+        is(e, "generation")
+            && e["world_size"] == 3
+            && node_of(e) == "a"
+            && e["generation"].as_u64() > g1["generation"].as_u64()
+    });
+    let resumed_3 = g2["resume_step"].as_u64().expect("resumes from a commit");
+    a.wait_line(&format!("resumed from step {resumed_3} "), LONG);
+    job.wait_event("a commit at world 3", LONG, |e| {
+        is(e, "checkpoint_committed") && e["generation"] == g2["generation"]
+    });
+
+    // A preemption of c: every rank saves the step they stop at, and a and b resume from it
+    // at world 2.
+    signal(&c.child, libc::SIGTERM);
+    a.wait_line("stopping at step", LONG);
+    let stopped = step_of("stopping at step ", &a.seen).unwrap();
+    let (code_c, _, err_c) = c.finish(LONG);
+    assert_eq!(code_c, 0, "the preempted agent drains cleanly:\n{err_c}");
+    let g3 = job.wait_event("generation at world 2 after the drain", LONG, |e| {
+        is(e, "generation")
+            && e["world_size"] == 2
+            && node_of(e) == "a"
+            && e["generation"].as_u64() > g2["generation"].as_u64()
+    });
+    assert_eq!(g3["resume_step"].as_u64(), Some(stopped), "{g3}");
+    a.wait_line(&format!("resumed from step {stopped} "), LONG);
+    // Once step N + 2 is printed, every worker has asked its agent about step N + 1: a worker
+    // that never did would get SIGTERM at once from the drain below (as a plain script does).
+    a.wait_line(&format!("[rank 0] step {} ", stopped + 2), LONG);
+
+    // The job ends: a and b drain too.
+    signal(&a.child, libc::SIGTERM);
+    signal(&b.child, libc::SIGTERM);
+    let (code_a, out_a, err_a) = a.finish(LONG);
+    let (code_b, _, err_b) = b.finish(LONG);
+    assert_eq!(code_a, 0, "{out_a}\n{err_a}");
+    assert_eq!(code_b, 0, "{err_b}");
+
+    // Each world loaded exactly what was saved at its resume step: every parameter and AdamW
+    // moment (resharded from 4 to 3 ranks, then from 3 to 2) and step count, gathered whole.
+    let logged = fsdp_digests(&out_a);
+    let mut resumes = Vec::new();
+    for (i, (event, step, world, tensors)) in logged.iter().enumerate() {
+        if event != "loaded" {
+            continue;
+        }
+        // The last save of that step before the load: a world that lost a node may have saved
+        // the same step before, and that save was never committed.
+        let (_, _, saved_world, saved) = logged[..i]
+            .iter()
+            .rev()
+            .find(|(ev, s, ..)| ev == "saved" && s == step)
+            .unwrap_or_else(|| panic!("no digests saved at step {step}:\n{out_a}"));
+        // 6 parameters, each with AdamW's exp_avg, exp_avg_sq and step.
+        assert_eq!(tensors.as_object().unwrap().len(), 24, "{tensors}");
+        assert_eq!(tensors, saved, "step {step} saved at world {saved_world}");
+        resumes.push((*step, *saved_world, *world));
+    }
+    assert_eq!(resumes, [(resumed_3, 4, 3), (stopped, 3, 2)], "{out_a}");
+    eprintln!(
+        "fsdp resharded resume 4 -> 3 -> 2 nodes: {} ms",
+        started.elapsed().as_millis()
+    );
+}
+
+// ---- the sample stream through a SIGKILL, a scale-up and a preemption ----
+
+/// Checkpoint interval of the sample-stream test.
+const STREAM_INTERVAL: u64 = 5;
+/// Its data set: 100 samples, which no global batch of 12 divides, so batches straddle epochs.
+const STREAM_SAMPLES: u64 = 100;
+const STREAM_GLOBAL_BATCH: u64 = 12;
+
+/// One line of `ddp_train.py --sample-log`: the sample ids one rank trained at one step.
+#[derive(Debug, serde::Deserialize)]
+struct Trained {
+    generation: u64,
+    step: u64,
+    rank: u64,
+    world: u64,
+    accum: u64,
+    batch: u64,
+    ids: Vec<u64>,
+}
+
+/// Every line of the sample logs in `dir`. A worker killed mid-write leaves a partial last
+/// line in its own file (as does one still writing): it is skipped; every other line parses.
+fn sample_logs(dir: &std::path::Path) -> Vec<Trained> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries {
+        let path = e.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let complete = text.rsplit_once('\n').map_or("", |(done, _)| done);
+        for l in complete.lines() {
+            let t =
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("{}: {e}: {l}", path.display()));
+            out.push(t);
+        }
+    }
+    out
+}
+
+/// Waits until `rank` of `generation` logged `step`.
+fn wait_trained(dir: &std::path::Path, generation: u64, rank: u64, step: u64) {
+    let deadline = Instant::now() + LONG;
+    while !sample_logs(dir)
+        .iter()
+        .any(|t| t.generation == generation && t.rank == rank && t.step >= step)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "rank {rank} of generation {generation} did not train step {step}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// One generation's global batch at one step, as its ranks logged it, in stream order: rank
+/// `r`'s micro-batch `a` is the slice at `(a * world + r) * batch`. `None` where no rank
+/// logged the position (a rank killed before it logged the step).
+fn global_batch(lines: &[&Trained]) -> Vec<Option<u64>> {
+    let t = lines[0];
+    let b = t.batch as usize;
+    let mut out = vec![None; (t.batch * t.world * t.accum) as usize];
+    let mut ranks = std::collections::BTreeSet::new();
+    for l in lines {
+        assert_eq!(
+            (l.world, l.accum, l.batch),
+            (t.world, t.accum, t.batch),
+            "{l:?}"
+        );
+        assert_eq!(l.ids.len(), b * l.accum as usize, "{l:?}");
+        assert!(ranks.insert(l.rank), "{l:?} logged twice");
+        for (i, id) in l.ids.iter().enumerate() {
+            let (a, k) = (i / b, i % b);
+            out[(a * t.world as usize + l.rank as usize) * b + k] = Some(*id);
+        }
+    }
+    out
+}
+
+/// The first `count` sample ids of the stream a fault-free run of `ddp_train.py --samples
+/// STREAM_SAMPLES` (seed 0, its default) takes, from the worker library itself, outside any
+/// job.
+fn fault_free_stream(count: usize) -> Vec<u64> {
+    let code = "import json, sys\n\
+                from elastic_run import ElasticSampler\n\
+                n, k = int(sys.argv[1]), int(sys.argv[2])\n\
+                print(json.dumps(ElasticSampler(n, seed=0).ids(0, k)))";
+    let out = Command::new(python())
+        .args(["-c", code, &STREAM_SAMPLES.to_string(), &count.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// `job.command` with one worker per node and `--lr-scaling fixed`: the global batch of 12 is
+/// 2 x 3 workers x 2 micro-batches at world 3 and 2 x 2 x 3 at world 2, so every rescale cuts
+/// the same stream into other slices per rank and per micro-batch (under linear scaling each
+/// rank's share would stay the same size).
+fn fixed_batch_command(job: &Job, node: &str, train: &[&str]) -> Command {
+    let base = job.command(node, "2:3", &format!("staging-{node}"), train);
+    let mut args: Vec<String> = base
+        .get_args()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let cut = args.iter().position(|a| a == "--").unwrap();
+    let interval = STREAM_INTERVAL.to_string();
+    for (flag, value) in [
+        ("--nproc-per-node", "1"),
+        ("--lr-scaling", "fixed"),
+        ("--batch-size", "2"),
+        ("--checkpoint-interval", interval.as_str()),
+    ] {
+        let i = args[..cut].iter().position(|a| a == flag).unwrap();
+        args[i + 1] = value.into();
+    }
+    let global = ["--global-batch".into(), STREAM_GLOBAL_BATCH.to_string()];
+    args.splice(cut..cut, global);
+    let mut c = agent(job.tmp.path());
+    c.envs(job.env.iter().map(|(k, v)| (k, v))).args(args);
+    c
+}
+
+fn generation_of(e: &Value) -> u64 {
+    e["generation"].as_u64().unwrap()
+}
+
+#[test]
+fn committed_steps_train_on_a_fault_free_runs_samples_through_a_kill_a_join_and_a_preemption() {
+    let t0 = Instant::now();
+    let job = Job::new("file");
+    let logs = job.tmp.path().join("samples");
+    let steps: u64 = 40;
+    let (steps_arg, samples_arg) = (steps.to_string(), STREAM_SAMPLES.to_string());
+    let train = [
+        "--steps",
+        steps_arg.as_str(),
+        "--samples",
+        samples_arg.as_str(),
+        "--step-sleep",
+        "0.05",
+        "--sample-log",
+        logs.to_str().unwrap(),
+    ];
+    let start = |node: &str| {
+        let a = job.start_cmd(node, fixed_batch_command(&job, node, &train));
+        job.wait_event("the node to join", LONG, |e| {
+            is(e, "joined") && node_of(e) == node
+        });
+        a
+    };
+    let committed_in = |generation: u64, after: u64| {
+        job.wait_event("a commit of the generation", LONG, |e| {
+            is(e, "checkpoint_committed")
+                && e["generation"] == generation
+                && e["step"].as_u64() > Some(after)
+        })["step"]
+            .as_u64()
+            .unwrap()
+    };
+    let a = start("a");
+    let b = start("b");
+    let mut c = start("c");
+    let g1 = job.wait_event("generation at world 3", LONG, |e| {
+        is(e, "generation") && e["world_size"] == 3 && node_of(e) == "a"
+    });
+    let gen1 = generation_of(&g1);
+    // SIGKILL c once it trained two steps past a commit: the kill costs work.
+    let c1 = committed_in(gen1, 0);
+    let rank_c = job.wait_event("c's rank", LONG, |e| {
+        is(e, "generation") && node_of(e) == "c" && e["generation"] == gen1
+    })["rank_offset"]
+        .as_u64()
+        .unwrap();
+    wait_trained(&logs, gen1, rank_c, c1 + 2);
+    signal(&c.child, libc::SIGKILL);
+    let _ = c.child.wait();
+    let g2 = job.wait_event("generation at world 2 after the kill", LONG, |e| {
+        is(e, "generation") && e["world_size"] == 2 && node_of(e) == "a" && generation_of(e) > gen1
+    });
+    assert_eq!(g2["members"], serde_json::json!(["a", "b"]), "{g2}");
+    let gen2 = generation_of(&g2);
+    // A fresh agent joins once this generation committed a step of its own.
+    committed_in(gen2, g2["resume_step"].as_u64().unwrap_or(0));
+    let d = start("d");
+    let g3 = job.wait_event("generation at world 3 with d", LONG, |e| {
+        is(e, "generation") && e["world_size"] == 3 && node_of(e) == "d"
+    });
+    assert_eq!(g3["members"], serde_json::json!(["a", "b", "d"]), "{g3}");
+    let gen3 = generation_of(&g3);
+    committed_in(gen3, g3["resume_step"].as_u64().unwrap_or(0));
+    // Preemption: b drains and leaves.
+    signal(&b.child, libc::SIGTERM);
+    let (code_b, out_b, err_b) = b.finish(LONG);
+    assert_eq!(code_b, 0, "b drains cleanly:\n{out_b}\n{err_b}");
+    let g4 = job.wait_event("generation at world 2 after the drain", LONG, |e| {
+        is(e, "generation") && e["world_size"] == 2 && node_of(e) == "a" && generation_of(e) > gen3
+    });
+    assert_eq!(g4["members"], serde_json::json!(["a", "d"]), "{g4}");
+    let gen4 = generation_of(&g4);
+    for ag in [a, d] {
+        let node = ag.node.clone();
+        let (code, out, err) = ag.finish(LONG);
+        assert_eq!(code, 0, "{node}:\n{out}\n{err}");
+    }
+
+    // What every generation resumed from, by the agents' events.
+    let mut resume: std::collections::BTreeMap<u64, u64> = Default::default();
+    for e in job.events().iter().filter(|e| is(e, "generation")) {
+        let r = e["resume_step"].as_u64().unwrap_or(0);
+        let old = resume.insert(generation_of(e), r);
+        assert!(
+            old.is_none_or(|o| o == r),
+            "nodes disagree on the resume step: {e}"
+        );
+    }
+    // Every execution of every step: step -> generation -> the ranks' lines.
+    let lines = sample_logs(&logs);
+    let mut runs: std::collections::BTreeMap<u64, std::collections::BTreeMap<u64, Vec<&Trained>>> =
+        Default::default();
+    for t in &lines {
+        runs.entry(t.step)
+            .or_default()
+            .entry(t.generation)
+            .or_default()
+            .push(t);
+    }
+    assert!(
+        runs.keys().copied().eq(1..=steps),
+        "steps trained: {:?}",
+        runs.keys().collect::<Vec<_>>()
+    );
+    // Each generation trains on from its resume step.
+    for (g, r) in &resume {
+        if let Some(first) = lines
+            .iter()
+            .filter(|t| t.generation == *g)
+            .map(|t| t.step)
+            .min()
+        {
+            assert_eq!(first, r + 1, "generation {g} resumed from step {r}");
+        }
+    }
+
+    // The final lineage: each step as the newest generation that ran it trained it, whole.
+    let mut stream = Vec::new();
+    let mut accums = std::collections::BTreeSet::new();
+    let mut redone: std::collections::BTreeMap<u64, u64> = Default::default();
+    let mut redone_whole = 0;
+    for (step, by_gen) in &runs {
+        let (&gen_new, newest) = by_gen.last_key_value().unwrap();
+        let batch = global_batch(newest);
+        assert_eq!(batch.len() as u64, STREAM_GLOBAL_BATCH);
+        let batch: Vec<u64> = batch
+            .into_iter()
+            .map(|id| {
+                id.unwrap_or_else(|| {
+                    panic!("step {step}: a rank of generation {gen_new} did not log it")
+                })
+            })
+            .collect();
+        accums.insert((newest[0].world, newest[0].accum));
+        if by_gen.len() > 1 {
+            // Work lost to a fault, redone: once, after the resume step of the generation that
+            // redid it, on the same samples (as far as the ranks of the lost run logged them).
+            // The SIGKILL loses the steps since the newest commit; so does the scale-up (the
+            // agents stop the workers when they admit the joiner and resume from the newest
+            // commit); the preemption loses none.
+            assert_eq!(
+                by_gen.len(),
+                2,
+                "step {step} trained by generations {:?}",
+                by_gen.keys()
+            );
+            let (&gen_old, older) = by_gen.first_key_value().unwrap();
+            assert!(
+                *step > resume[&gen_new],
+                "step {step} of generation {gen_new}"
+            );
+            let lost = global_batch(older);
+            assert_eq!(lost.len(), batch.len());
+            for (pos, id) in lost.iter().enumerate() {
+                assert!(
+                    id.is_none_or(|id| id == batch[pos]),
+                    "step {step}: generation {gen_old} trained {lost:?}, generation {gen_new} {batch:?}"
+                );
+            }
+            *redone.entry(gen_new).or_default() += 1;
+            redone_whole += u64::from(lost.iter().all(Option::is_some));
+        }
+        stream.extend(batch);
+    }
+    assert_eq!(
+        accums.into_iter().collect::<Vec<_>>(),
+        [(2, 3), (3, 2)],
+        "the global batch was cut over 2 and over 3 workers"
+    );
+    assert!(
+        redone_whole > 0,
+        "no redone step was logged whole the first time"
+    );
+    // The lineage took the first K ids of a fault-free run's stream, in order (so the same
+    // multiset): no sample skipped or repeated across the rescales. And, whatever the sampler
+    // computes, each whole epoch of it is a permutation and the tail repeats no sample.
+    assert_eq!(stream, fault_free_stream(stream.len()));
+    assert!(
+        stream.len() as u64 > 2 * STREAM_SAMPLES,
+        "the run crosses epochs"
+    );
+    for epoch in stream.chunks(STREAM_SAMPLES as usize) {
+        let mut ids = epoch.to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(
+            ids.len(),
+            epoch.len(),
+            "a sample twice in one epoch: {epoch:?}"
+        );
+        assert!(ids.iter().all(|id| *id < STREAM_SAMPLES));
+    }
+    // The SIGKILL cost a redo, at most a checkpoint interval; the preemption none: the
+    // generation after it resumed from the drained step, the last one b's generation trained,
+    // which is committed.
+    let after_kill = redone.get(&gen2).copied().unwrap_or(0);
+    assert!(
+        (1..=STREAM_INTERVAL).contains(&after_kill),
+        "{after_kill} steps redone after the SIGKILL; by generation: {redone:?}"
+    );
+    assert_eq!(redone.get(&gen4), None, "the drain lost steps: {redone:?}");
+    let drained = resume[&gen4];
+    assert_eq!(
+        lines
+            .iter()
+            .filter(|t| t.generation == gen3)
+            .map(|t| t.step)
+            .max(),
+        Some(drained)
+    );
+    assert!(
+        job.events()
+            .iter()
+            .any(|e| is(e, "checkpoint_committed") && e["step"] == drained),
+        "the drained step {drained} was committed"
+    );
+    eprintln!(
+        "sample stream: {} samples over {steps} steps; steps redone by generation {redone:?}; {:?}",
+        stream.len(),
+        t0.elapsed()
+    );
+}
