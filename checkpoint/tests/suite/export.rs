@@ -22,19 +22,10 @@ use crate::common::{self, T, cancel, st_bytes, tensor};
 
 const BIN: &str = env!("CARGO_BIN_EXE_elastic-ckpt");
 
-/// Writes the PyTorch state the export test reads: a model with layers `layers.0`..`layers.11`,
-/// a bf16 head and a buffer whose name needs percent-escaping (`scale/x%`), an EMA copy, an
-/// Adam optimizer after one step, and a plain value; named and split between two ranks by the
-/// worker client's own code, as staged `rank-<r>/tensors.safetensors` files. `layers.1.weight`
-/// is saved sharded along dim 0 across both ranks (`elastic.shards` in each header). Also
-/// writes the manifest metadata the agent would commit and the state_dicts to compare with.
-const WRITE: &str = r#"
-import copy, json, os, sys, torch
-sys.path.insert(0, sys.argv[2])
-from elastic_run import _save, _tree
-from safetensors.torch import save_file
-
-out = sys.argv[1]
+/// The model the export test saves: layers `layers.0`..`layers.11` (so names sort by number),
+/// a bf16 head, and a buffer whose name needs percent-escaping in tensor names (`scale/x%`).
+const NET: &str = r#"
+import torch
 
 class Net(torch.nn.Module):
     def __init__(self):
@@ -48,6 +39,20 @@ class Net(torch.nn.Module):
         for layer in self.layers:
             x = torch.relu(layer(x))
         return self.head(self.norm(x).to(torch.bfloat16))
+"#;
+
+/// Writes the PyTorch state the export test reads: a [`NET`] model, an EMA copy, an Adam
+/// optimizer after one step, and a plain value; named and split between two ranks by the
+/// worker client's own code, as staged `rank-<r>/tensors.safetensors` files. `layers.1.weight`
+/// is saved sharded along dim 0 across both ranks (`elastic.shards` in each header). Also
+/// writes the manifest metadata the agent would commit and the state_dicts to compare with.
+const WRITE: &str = r#"
+import copy, json, os, sys, torch
+sys.path.insert(0, sys.argv[2])
+from elastic_run import _save, _tree
+from safetensors.torch import save_file
+
+out = sys.argv[1]
 
 torch.manual_seed(0)
 model = Net()
@@ -118,7 +123,6 @@ same(got, ref["model"], "shards")
 total = sum(t.numel() * t.element_size() for t in ref["model"].values())
 assert index["metadata"]["total_size"] == total, index["metadata"]
 
-exec(open(f"{src}/net.py").read())
 torch.manual_seed(1)
 fresh = Net()
 sd = fresh.state_dict()
@@ -148,21 +152,10 @@ fn export_of_a_torch_state_equals_its_state_dicts_bitwise_and_refuses_the_optimi
     let client = services::paths::repo_root().join("runtime/python");
     python(&[
         "-c",
-        WRITE,
+        &format!("{NET}{WRITE}"),
         src.path().to_str().unwrap(),
         client.to_str().unwrap(),
     ]);
-    // The model class, for the check's fresh model: the part of WRITE that defines it.
-    let class = WRITE
-        .split("class Net")
-        .nth(1)
-        .and_then(|s| s.split("torch.manual_seed(0)").next())
-        .unwrap();
-    std::fs::write(
-        src.path().join("net.py"),
-        format!("import torch\nclass Net{class}"),
-    )
-    .unwrap();
     let metadata = std::fs::read_to_string(src.path().join("metadata.json")).unwrap();
 
     let bucket = tempfile::tempdir().unwrap();
@@ -192,6 +185,15 @@ fn export_of_a_torch_state_equals_its_state_dicts_bitwise_and_refuses_the_optimi
         .collect();
     assert_eq!(sharded.len(), 1, "one tensor is saved in two shards");
     assert_eq!(sharded[0]["name"], "state/model/layers.1.weight");
+    // The buffer `scale/x%` is stored under its percent-escaped name, and exports as itself.
+    assert!(
+        show["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["name"] == "state/model/scale%2Fx%25"),
+        "{show}"
+    );
 
     let out = tempfile::tempdir().unwrap();
     let one = out.path().join("one");
@@ -230,7 +232,7 @@ fn export_of_a_torch_state_equals_its_state_dicts_bitwise_and_refuses_the_optimi
     assert_eq!(report["index"], "model.safetensors.index.json", "{report}");
     let check = python(&[
         "-c",
-        CHECK,
+        &format!("{NET}{CHECK}"),
         src.path().to_str().unwrap(),
         one.to_str().unwrap(),
         ema.to_str().unwrap(),
