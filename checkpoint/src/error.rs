@@ -112,6 +112,18 @@ pub enum Error {
         reason: String,
     },
 
+    /// An entry of a step's state that cannot be exported as a model's weights: the step
+    /// does not hold it, it is not a flat map of names to tensors (an optimizer's state), or
+    /// its description in the manifest's metadata is malformed. Says nothing about the stored
+    /// data, so no read falls back past it.
+    #[error("{store}: step {step}: cannot export {key:?}: {reason}")]
+    NotExportable {
+        store: String,
+        step: u64,
+        key: String,
+        reason: String,
+    },
+
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

@@ -67,9 +67,9 @@
 //! # What bad input gets
 //!
 //! Nothing below panics, and none of it costs a committed step. "Falls back" means: a read
-//! of the newest step (`pull` without `--step`, `restore`, the agent's resume) warns with
-//! the step and the bad object and takes the previous committed step that reads whole;
-//! asked for by number, the step is an error naming the object.
+//! of the newest step (`pull`, `export` or `restore` without `--step`, the agent's resume)
+//! warns with the step and the bad object and takes the previous committed step that reads
+//! whole; asked for by number, the step is an error naming the object.
 //!
 //! | input | what happens |
 //! |---|---|
@@ -84,6 +84,10 @@
 //! | a commit whose merged manifest would be over the read limit, or hold no file | `Rejected` before anything is written: the step number stays free |
 //! | `gc` when the newest steps do not verify | they do not count toward `--keep-last`; the newest step that verifies is never deleted |
 //! | `pull` into a non-empty directory, or through a symlink inside it | refused without `--force`; never through or over a symlink, even with it |
+//! | `export` or `restore` (the command) into a directory that holds anything, onto a file, or through a symlink at the directory or inside it | refused before anything is read, nothing written (no `--force`) |
+//! | `export --key K` of an entry the step does not hold | `NotExportable` listing the entries it holds; no fallback |
+//! | `export` of an entry that is not a flat map of names to tensors (an optimizer's state, a list, a plain value), or whose skeleton in `metadata.state` has another tag, nesting, an unknown format or a tensor the step lacks | `NotExportable` naming the entry and the place; no fallback |
+//! | `export --max-shard-size` of 0 or not a size (`5GB`, `500MB`, `2GiB`, bytes) | refused naming the flag |
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 

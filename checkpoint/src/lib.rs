@@ -17,15 +17,21 @@
 //!   `restore/steps.rs` (which steps exist, [`Store::latest_committed`], the fallback past a
 //!   step that does not verify), `restore/read.rs` (fetch a chunk and check its checksums,
 //!   [`Store::verify`]) and `restore/write.rs` (copy decoded chunks into output files that
-//!   appear only complete).
+//!   appear only complete; export uses it too).
+//! - [`export`](mod@export): one entry of a step's state (a module's weights) written as
+//!   Hugging Face safetensors, one file or shards and an index ([`Store::export`]); the
+//!   names come from the state skeleton in the manifest's metadata. It plans the output and
+//!   leaves the reading and writing to `restore/write.rs`, as `pull` and `restore` do.
 //! - [`retention`]: the retention policy (a pure planner) and garbage collection.
 //! - [`copy`]: copying committed steps between stores.
 //! - [`error`]: the public [`Error`] (with `is_permanent`, `is_integrity`).
 //! - `local` (private): durable local writes (temp file, fsync, rename, fsync dir); its
 //!   [`durable::write_file_durable`] and [`durable::fsync_dir`] are public as [`durable`].
-//! - `src/bin/elastic-ckpt.rs`: the command-line tool (`push pull ls show verify gc cp`).
+//! - `src/bin/elastic-ckpt.rs`: the command-line tool
+//!   (`push pull export restore ls show verify gc cp`).
 //! - `tests/`: one test binary (`tests.rs`: conformance on memory/file/S3, bad input, crash,
-//!   faults, CLI, GCS reads, PyTorch interop) plus `azure.rs` (Azurite needs its own process).
+//!   faults, CLI, GCS reads, PyTorch interop, export) plus `azure.rs` (Azurite needs its own
+//!   process).
 //! - `fuzz/`: cargo-fuzz targets, outside the workspace
 //!   (`cd checkpoint/fuzz && cargo +nightly fuzz run manifest_parse`).
 //! - `examples/bench.rs`: the figures in `BENCHMARKS.md`.
@@ -83,7 +89,7 @@
 //!   [`Error::Incomplete`] naming missing writers.
 //! - [`Store::latest_committed`], [`Store::committed_steps`], [`Store::read_manifest`],
 //!   [`Store::list_steps`], [`Store::verify`], [`Store::pull`], [`Store::restore`],
-//!   [`Store::gc`], [`Store::copy_step`].
+//!   [`Store::export`], [`Store::gc`], [`Store::copy_step`].
 //!
 //! Restore with `step: None` picks the newest committed step that restores for this rank, and
 //! falls back (with a warning) when it is corrupt or incomplete. Ranks restoring
@@ -101,6 +107,7 @@ pub mod alloc;
 pub mod codec;
 pub mod copy;
 pub mod error;
+pub mod export;
 pub mod format;
 pub mod header;
 mod local;
@@ -116,6 +123,7 @@ pub mod save;
 pub mod store;
 
 pub use error::{Error, Result};
+pub use export::ExportReport;
 pub use format::{Manifest, PartRecord, ShardSpec};
 pub use restore::{ReadOptions, RestoreReport};
 pub use retention::RetentionPolicy;

@@ -112,6 +112,48 @@ fn open_subdir(parent: &OwnedFd, name: &[u8], shown: &Path) -> Result<(OwnedFd, 
     Ok((unsafe { OwnedFd::from_raw_fd(fd) }, made))
 }
 
+/// Whether a write may reach its root directory through a symlink standing at the root.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RootLink {
+    /// The root may be a symlink to a directory (a `pull` into a linked directory).
+    Follow,
+    /// The root itself is opened without following a link: a symlink there is refused, even
+    /// one planted after the caller checked the root.
+    Refuse,
+}
+
+/// Checks that `dir` can take a fresh set of files: absent, or an empty directory that is not a
+/// symlink. `what` names the directory's role in the message (`export target`).
+pub fn check_fresh_dir(dir: &Path, what: &str) -> Result<()> {
+    let meta = match std::fs::symlink_metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io(dir, e)),
+    };
+    if meta.file_type().is_symlink() {
+        return Err(Error::InvalidInput(format!(
+            "{what} {} is a symlink; refusing to write through it",
+            dir.display()
+        )));
+    }
+    if !meta.is_dir() {
+        return Err(Error::InvalidInput(format!(
+            "{what} {} exists and is not a directory",
+            dir.display()
+        )));
+    }
+    let mut entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+    if let Some(first) = entries.next() {
+        let first = first.map_err(|e| Error::io(dir, e))?;
+        return Err(Error::InvalidInput(format!(
+            "{what} {} is not empty (it holds {:?}); nothing was written: use an empty or absent directory",
+            dir.display(),
+            first.file_name()
+        )));
+    }
+    Ok(())
+}
+
 /// A file being written under a temp name next to its final name.
 pub struct DurableFile {
     pub file: File,
@@ -145,6 +187,12 @@ impl DurableFile {
     /// are made 0700 when missing; a symlink or a non-directory on the way is refused, and so
     /// is a symlink at the final name.
     pub fn create_under(root: &Path, rel: &str) -> Result<DurableFile> {
+        Self::create_in(root, rel, RootLink::Follow)
+    }
+
+    /// [`DurableFile::create_under`], with `root_link` saying whether `root` itself may be a
+    /// symlink.
+    pub fn create_in(root: &Path, rel: &str, root_link: RootLink) -> Result<DurableFile> {
         let dest = root.join(rel);
         let mut parts: Vec<&str> = rel.split('/').collect();
         let name = parts.pop().unwrap_or_default();
@@ -159,11 +207,28 @@ impl DurableFile {
                 reason: "not a relative path of plain components".into(),
             });
         }
+        let nofollow = match root_link {
+            RootLink::Follow => 0,
+            RootLink::Refuse => libc::O_NOFOLLOW,
+        };
         let root_file = std::fs::OpenOptions::new()
             .read(true)
-            .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+            .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC | nofollow)
             .open(root)
-            .map_err(|e| Error::io(root, e))?;
+            .map_err(|e| match e.raw_os_error() {
+                // With O_DIRECTORY, Linux answers ENOTDIR for a symlink too.
+                Some(libc::ELOOP | libc::ENOTDIR)
+                    if root_link == RootLink::Refuse
+                        && std::fs::symlink_metadata(root)
+                            .is_ok_and(|m| m.file_type().is_symlink()) =>
+                {
+                    Error::InvalidInput(format!(
+                        "{} is a symlink; refusing to write through it",
+                        root.display()
+                    ))
+                }
+                _ => Error::io(root, e),
+            })?;
         let mut dir = OwnedFd::from(root_file);
         let mut shown = root.to_path_buf();
         let mut created_dirs = Vec::new();
@@ -331,6 +396,43 @@ mod tests {
             .expect("refused");
         assert!(e.to_string().contains("symlink"), "{e}");
         assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_symlinked_root_is_refused_when_asked_and_a_fresh_dir_must_be_empty() {
+        let tmp = tempfile::tempdir().unwrap();
+        let real = tmp.path().join("real");
+        std::fs::create_dir(&real).unwrap();
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let e = DurableFile::create_in(&link, "f.bin", RootLink::Refuse)
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("is a symlink"), "{e}");
+        assert_eq!(std::fs::read_dir(&real).unwrap().count(), 0);
+        // Following it stays possible for callers that allow it.
+        DurableFile::create_in(&link, "f.bin", RootLink::Follow)
+            .unwrap()
+            .commit()
+            .unwrap();
+        assert!(real.join("f.bin").exists());
+
+        let e = check_fresh_dir(&link, "export target").unwrap_err();
+        assert!(
+            e.to_string().contains("export target") && e.to_string().contains("symlink"),
+            "{e}"
+        );
+        let e = check_fresh_dir(&real, "export target").unwrap_err();
+        assert!(
+            e.to_string().contains("is not empty") && e.to_string().contains("f.bin"),
+            "{e}"
+        );
+        let e = check_fresh_dir(&real.join("f.bin"), "export target").unwrap_err();
+        assert!(e.to_string().contains("not a directory"), "{e}");
+        check_fresh_dir(&tmp.path().join("absent"), "export target").unwrap();
+        let empty = tmp.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        check_fresh_dir(&empty, "export target").unwrap();
     }
 
     #[test]

@@ -27,11 +27,12 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
 use crate::header::{self, HeaderTensor};
-use crate::local::write_file_durable;
+use crate::local::{RootLink, write_file_durable};
 use crate::save::Progress;
 use crate::store::Store;
-use write::{OutFile, file_range_copies};
+pub(crate) use write::{Layout, OutFile, file_range_copies};
 
+pub use crate::local::check_fresh_dir;
 pub use read::VerifyReport;
 pub use steps::{StepInfo, StepSummary};
 
@@ -63,7 +64,10 @@ pub struct RestoreReport {
     pub step: u64,
     pub rank: u32,
     pub world_size: u32,
+    /// `<dest>/state.safetensors`.
     pub path: PathBuf,
+    /// `<dest>/metadata.json`: step, rank, world sizes and the trainer metadata.
+    pub metadata_path: PathBuf,
     pub tensors: usize,
     pub bytes: u64,
     /// Newer committed steps that were skipped because they did not verify.
@@ -106,20 +110,20 @@ impl Store {
         cancel: &CancellationToken,
     ) -> Result<Manifest> {
         let m = self.read_manifest(step, cancel).await?;
-        let mut outs = Vec::new();
-        let mut ops = Vec::new();
+        let mut layout = Layout::default();
         for (i, f) in m.files.iter().enumerate() {
             let mut prefix = (f.header.len() as u64).to_le_bytes().to_vec();
             prefix.extend_from_slice(f.header.as_bytes());
             let data_start = prefix.len() as u64;
-            file_range_copies(f, i, 0, f.data_bytes, data_start, &mut ops);
-            outs.push(OutFile {
+            file_range_copies(f, i, 0, f.data_bytes, data_start, &mut layout.copies);
+            layout.files.push(OutFile {
                 rel: f.name.clone(),
                 total_bytes: data_start + f.data_bytes,
                 prefix,
             });
         }
-        self.materialize(&m, outs, ops, dest, opts, cancel).await?;
+        self.materialize(&m, layout, dest, RootLink::Follow, opts, cancel)
+            .await?;
         Ok(m)
     }
 
@@ -249,12 +253,15 @@ impl Store {
                 at += len;
             }
         }
-        let out = OutFile {
-            rel: RESTORE_FILE.to_string(),
-            total_bytes: data_start + offset,
-            prefix,
+        let layout = Layout {
+            files: vec![OutFile {
+                rel: RESTORE_FILE.to_string(),
+                total_bytes: data_start + offset,
+                prefix,
+            }],
+            copies: ops,
         };
-        self.materialize(&m, vec![out], ops, dest, opts, cancel)
+        self.materialize(&m, layout, dest, RootLink::Follow, opts, cancel)
             .await?;
         let meta = serde_json::json!({
             "step": step, "rank": rank, "world_size": world,
@@ -271,6 +278,7 @@ impl Store {
             rank,
             world_size: world,
             path: dest.join(RESTORE_FILE),
+            metadata_path: dest.join(RESTORE_METADATA_FILE),
             tensors: out_tensors.len(),
             bytes: offset,
             skipped_steps: Vec::new(),

@@ -1,6 +1,7 @@
 //! Integration tests: the conformance suite on memory, file and S3 (moto); bad input; crash
 //! safety of `elastic-ckpt push`; injected faults; reads from GCS (fake-gcs-server);
-//! interop with PyTorch-written and PyTorch-loaded files. Azure runs in its own binary (`azure.rs`) because the
+//! interop with PyTorch-written and PyTorch-loaded files; export to Hugging Face safetensors and the
+//! restore command. Azure runs in its own binary (`azure.rs`) because the
 //! emulator's address is process-wide state.
 
 #[path = "suite/bad_input.rs"]
@@ -10,6 +11,8 @@ mod cli;
 mod common;
 #[path = "suite/crash.rs"]
 mod crash;
+#[path = "suite/export.rs"]
+mod export;
 #[path = "suite/faults.rs"]
 mod faults;
 #[path = "suite/gc_verify.rs"]

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
+use checkpoint::export::{EXPORT_KEY_DEFAULT, parse_size_bytes};
 use checkpoint::retention::GcCheck;
 use checkpoint::save::Progress;
 use checkpoint::{
@@ -76,6 +77,40 @@ enum Cmd {
         /// (never written through, and never when a symlink stands there), others are kept.
         #[arg(long)]
         force: bool,
+    },
+    /// Write one entry of a step's state (a module's weights) under DIR as Hugging Face
+    /// safetensors: `model.safetensors`, or, above --max-shard-size,
+    /// `model-00001-of-0000N.safetensors`... and `model.safetensors.index.json`. Tensors are
+    /// named as in the module's state_dict(), sharded ones written whole. By default the
+    /// newest committed step that reads back whole: a newer one that fails its checks is
+    /// skipped with a warning naming the bad object. DIR must be empty or absent.
+    Export {
+        url: String,
+        dir: PathBuf,
+        #[arg(long)]
+        step: Option<u64>,
+        /// The entry of the saved state: `model`, `ema`, ... (a module-like one: a flat map of
+        /// names to tensors).
+        #[arg(long, default_value = EXPORT_KEY_DEFAULT)]
+        key: String,
+        /// The largest file, as Hugging Face spells it: 5GB (10^9 bytes), 500MB, 2GiB, 100KB,
+        /// or bytes. A tensor larger than this gets a file of its own.
+        #[arg(long, default_value = "5GB", value_parser = parse_size_bytes)]
+        max_shard_size: u64,
+    },
+    /// Restore what rank R of a world of W needs into DIR, as the agent does for a worker:
+    /// DIR/state.safetensors (replicated tensors whole, rows [rows*R/W, rows*(R+1)/W) of
+    /// sharded ones) and DIR/metadata.json. By default the newest committed step that
+    /// restores, falling back past a corrupt one. DIR must be empty or absent.
+    Restore {
+        url: String,
+        dir: PathBuf,
+        #[arg(long)]
+        step: Option<u64>,
+        #[arg(long)]
+        rank: u32,
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        world_size: u32,
     },
     /// List committed steps (with --all, uncommitted leftovers too).
     Ls {
@@ -432,6 +467,115 @@ async fn run(cli: Cli) -> Result<()> {
                     "pulled step {}: {} files into {}",
                     m.step,
                     m.files.len(),
+                    dir.display()
+                );
+            }
+        }
+        Cmd::Export {
+            url,
+            dir,
+            step,
+            key,
+            max_shard_size,
+        } => {
+            checkpoint::restore::check_fresh_dir(&dir, "export target")?;
+            let store = open(&url)?;
+            // Sized for the step asked for, or the newest; a fallback's bytes carry on past it.
+            let sized = match step {
+                Some(s) => Some(s),
+                None => store.committed_steps(&cancel).await?.last().copied(),
+            };
+            let len = match sized {
+                Some(s) => store.read_manifest(s, &cancel).await.map_or(0, |m| {
+                    checkpoint::export::plan(&m, &key, max_shard_size)
+                        .map_or(m.raw_bytes(), |p| p.total_bytes)
+                }),
+                None => 0,
+            };
+            let (pb, progress) = bar(json, len, "export");
+            let opts = ReadOptions {
+                concurrency,
+                progress,
+            };
+            let report = store
+                .export(step, &key, &dir, max_shard_size, &opts, &cancel)
+                .await?;
+            pb.finish_and_clear();
+            for s in &report.skipped_steps {
+                eprintln!(
+                    "warning: skipped committed step {s}: it does not read back whole (see the warning above)"
+                );
+            }
+            if json {
+                print_json(&report)?;
+            } else {
+                println!(
+                    "exported {:?} of step {}: {} tensors, {} in {} file{} into {}",
+                    printable(&report.key),
+                    report.step,
+                    report.tensors,
+                    human_bytes(report.bytes),
+                    report.files.len(),
+                    if report.files.len() == 1 { "" } else { "s" },
+                    dir.display()
+                );
+            }
+        }
+        Cmd::Restore {
+            url,
+            dir,
+            step,
+            rank,
+            world_size,
+        } => {
+            checkpoint::restore::check_fresh_dir(&dir, "restore target")?;
+            let store = open(&url)?;
+            let sized = match step {
+                Some(s) => Some(s),
+                None => store.committed_steps(&cancel).await?.last().copied(),
+            };
+            // The whole step at most: a rank's share of sharded tensors is less.
+            let len = match sized {
+                Some(s) => store
+                    .read_manifest(s, &cancel)
+                    .await
+                    .map_or(0, |m| m.raw_bytes()),
+                None => 0,
+            };
+            let (pb, progress) = bar(json, len, "restore");
+            let opts = ReadOptions {
+                concurrency,
+                progress,
+            };
+            let report = store
+                .restore(step, rank, world_size, &dir, &opts, &cancel)
+                .await?;
+            pb.finish_and_clear();
+            for s in &report.skipped_steps {
+                eprintln!(
+                    "warning: skipped committed step {s}: it does not restore (see the warning above)"
+                );
+            }
+            if json {
+                let abs = |p: &std::path::Path| std::path::absolute(p).unwrap_or(p.to_path_buf());
+                print_json(&serde_json::json!({
+                    "step": report.step,
+                    "rank": report.rank,
+                    "world_size": report.world_size,
+                    "tensors": report.tensors,
+                    "bytes": report.bytes,
+                    "skipped_steps": report.skipped_steps,
+                    "files": {
+                        "state": abs(&report.path),
+                        "metadata": abs(&report.metadata_path),
+                    },
+                }))?;
+            } else {
+                println!(
+                    "restored step {} for rank {rank} of {world_size}: {} tensors, {} into {}",
+                    report.step,
+                    report.tensors,
+                    human_bytes(report.bytes),
                     dir.display()
                 );
             }

@@ -11,29 +11,36 @@ use tokio_util::sync::CancellationToken;
 use super::ReadOptions;
 use crate::error::{Error, Result};
 use crate::format::{FileEntry, Manifest};
-use crate::local::DurableFile;
+use crate::local::{DurableFile, RootLink};
 use crate::store::Store;
 
 /// One contiguous copy from a decoded object into an output file.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct CopyOp {
-    pub(super) out: usize,
-    pub(super) object: u32,
-    pub(super) obj_offset: u64,
-    pub(super) len: u64,
-    pub(super) out_offset: u64,
+pub(crate) struct CopyOp {
+    pub(crate) out: usize,
+    pub(crate) object: u32,
+    pub(crate) obj_offset: u64,
+    pub(crate) len: u64,
+    pub(crate) out_offset: u64,
 }
 
 /// One file a read writes: its name under the destination, the bytes before its data region
 /// (length prefix and header) and its full size.
-pub(super) struct OutFile {
-    pub(super) rel: String,
-    pub(super) prefix: Vec<u8>,
-    pub(super) total_bytes: u64,
+pub(crate) struct OutFile {
+    pub(crate) rel: String,
+    pub(crate) prefix: Vec<u8>,
+    pub(crate) total_bytes: u64,
+}
+
+/// What a read writes: the files, and the copies from decoded objects that fill them.
+#[derive(Default)]
+pub(crate) struct Layout {
+    pub(crate) files: Vec<OutFile>,
+    pub(crate) copies: Vec<CopyOp>,
 }
 
 /// Maps `[start, start+len)` of a file's data region to object copies landing at `out_offset`.
-pub(super) fn file_range_copies(
+pub(crate) fn file_range_copies(
     f: &FileEntry,
     out: usize,
     start: u64,
@@ -65,14 +72,18 @@ pub(super) fn file_range_copies(
 }
 
 impl Store {
-    /// Writes `outs` under `dest` from the objects that `ops` name, fetching each needed
-    /// object once, `concurrency` at a time. Files appear only complete (temp + rename).
-    pub(super) async fn materialize(
+    /// Writes `layout`'s files under `dest` from the objects its copies name, fetching each
+    /// needed object once, `concurrency` at a time, so memory holds a few decoded chunks and
+    /// never a whole file or tensor. Files appear only complete (temp + rename), and none is
+    /// renamed into place before every one is written, so a failed read leaves none of them
+    /// behind. `root_link` says whether `dest` itself may be a symlink. Progress counts the
+    /// bytes written.
+    pub(crate) async fn materialize(
         &self,
         m: &Manifest,
-        outs: Vec<OutFile>,
-        ops: Vec<CopyOp>,
+        layout: Layout,
         dest: &Path,
+        root_link: RootLink,
         opts: &ReadOptions,
         cancel: &CancellationToken,
     ) -> Result<()> {
@@ -81,7 +92,7 @@ impl Store {
         // failed step leaves nothing behind for a fallback to mix with.
         let mut made_dirs = Vec::new();
         let r = self
-            .materialize_into(m, &outs, ops, dest, opts, cancel, &mut made_dirs)
+            .materialize_into(m, layout, dest, root_link, opts, cancel, &mut made_dirs)
             .await;
         if r.is_err() {
             for d in made_dirs.iter().rev() {
@@ -96,17 +107,21 @@ impl Store {
     async fn materialize_into(
         &self,
         m: &Manifest,
-        outs: &[OutFile],
-        ops: Vec<CopyOp>,
+        layout: Layout,
         dest: &Path,
+        root_link: RootLink,
         opts: &ReadOptions,
         cancel: &CancellationToken,
         made_dirs: &mut Vec<PathBuf>,
     ) -> Result<()> {
+        let Layout {
+            files: outs,
+            copies: ops,
+        } = layout;
         let mut files = Vec::with_capacity(outs.len());
-        for o in outs {
+        for o in &outs {
             // Never through a symlink inside `dest`, and never over one.
-            let f = DurableFile::create_under(dest, &o.rel)?;
+            let f = DurableFile::create_in(dest, &o.rel, root_link)?;
             made_dirs.extend(f.created_dirs.iter().cloned());
             f.set_len(o.total_bytes)?;
             f.write_at(&o.prefix, 0)?;
@@ -122,7 +137,7 @@ impl Store {
                 let files = files.clone();
                 async move {
                     let raw = self.fetch_decoded(m, object as usize, cancel).await?;
-                    let n = raw.len() as u64;
+                    let n: u64 = ops.iter().map(|op| op.len).sum();
                     tokio::task::spawn_blocking(move || {
                         for op in ops {
                             let s = op.obj_offset as usize;

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use bytes::Bytes;
@@ -472,6 +473,156 @@ pub async fn large_chunks_use_multipart_and_ranged_reads(store: &Store) {
     assert_dir_has(dir.path(), &files);
 }
 
+/// The manifest metadata the agent writes for a state whose entries map names to tensors:
+/// `entries` is `[(entry, [(name, tensor)])]`.
+pub fn state_metadata(entries: &[(&str, Vec<(&str, &str)>)]) -> serde_json::Value {
+    let entries: serde_json::Map<String, serde_json::Value> = entries
+        .iter()
+        .map(|(entry, names)| {
+            let value: serde_json::Map<String, serde_json::Value> = names
+                .iter()
+                .map(|(n, t)| (n.to_string(), serde_json::json!({"$t": t})))
+                .collect();
+            (
+                entry.to_string(),
+                serde_json::json!({"stateful": true, "value": value}),
+            )
+        })
+        .collect();
+    serde_json::json!({
+        "elastic": {"node": 0},
+        "state": {"format": "elastic_run.state/1", "entries": entries},
+    })
+}
+
+/// Saves `w` (sharded along dim 0 at `cuts`) and `b` from one writer per shard, each part a
+/// safetensors file declaring its shard in `__metadata__["elastic.shards"]`, and commits it as
+/// `step` with the state skeleton naming them `w` and `b` of the entry `model`.
+pub async fn save_sharded_state(store: &Store, step: u64, w: &T, b: &T, cuts: &[usize]) {
+    let writers = cuts.len() - 1;
+    for r in 0..writers {
+        let (lo, hi) = (cuts[r], cuts[r + 1]);
+        let mut shape = w.shape.clone();
+        shape[0] = hi - lo;
+        let mut mine = vec![T {
+            name: "state/model/w".into(),
+            dtype: w.dtype,
+            shape,
+            data: rows(w, lo, hi),
+        }];
+        if r == 1 {
+            mine.push(T {
+                name: "state/model/b".into(),
+                ..b.clone()
+            });
+        }
+        let spec = ShardSpec {
+            global_shape: w.shape.iter().map(|d| *d as u64).collect(),
+            dim0_offset: lo as u64,
+        };
+        let md = BTreeMap::from([(
+            "elastic.shards".to_string(),
+            serde_json::json!({"state/model/w": spec}).to_string(),
+        )]);
+        let input = PartInput {
+            writer: format!("rank-{r}"),
+            source: PartSource::Buffers(vec![(
+                format!("rank-{r}/tensors.safetensors"),
+                st_bytes(&mine, Some(md)).into(),
+            )]),
+            shards: BTreeMap::new(),
+        };
+        store
+            .save_part(step, input, &small_chunks(), &cancel())
+            .await
+            .unwrap();
+    }
+    let req = CommitRequest {
+        world_size: writers as u32,
+        writers: (0..writers).map(|r| format!("rank-{r}")).collect(),
+        metadata: state_metadata(&[(
+            "model",
+            vec![("w", "state/model/w"), ("b", "state/model/b")],
+        )]),
+    };
+    store.commit(step, req, &cancel()).await.unwrap();
+}
+
+pub async fn export_writes_a_sharded_tensor_whole_in_hugging_face_shards(store: &Store) {
+    let w = tensor("w", "F32", &[37, 50], 1);
+    let b = tensor("b", "BF16", &[50], 2);
+    save_sharded_state(store, 3, &w, &b, &[0, 11, 12, 37]).await;
+    let m = store.read_manifest(3, &cancel()).await.unwrap();
+    assert!(m.tensors.iter().any(|t| t.sharded && t.shards.len() == 3));
+    assert!(m.objects.len() > 2, "small chunks: the shards span chunks");
+
+    // Whole, in one file.
+    let out = tempfile::tempdir().unwrap();
+    let dest = out.path().join("hf");
+    let report = store
+        .export(
+            None,
+            "model",
+            &dest,
+            checkpoint::export::SHARD_BYTES_MAX_DEFAULT,
+            &ReadOptions::default(),
+            &cancel(),
+        )
+        .await
+        .unwrap();
+    assert_eq!((report.step, report.tensors), (3, 2));
+    assert_eq!(report.bytes, (w.data.len() + b.data.len()) as u64);
+    let bytes = std::fs::read(dest.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let got = st.tensor("w").unwrap();
+    assert_eq!(got.shape(), &[37, 50]);
+    assert!(got.data() == &w.data[..], "w assembled whole in row order");
+    assert!(st.tensor("b").unwrap().data() == &b.data[..]);
+    let (_, md) = SafeTensors::read_metadata(&bytes).unwrap();
+    let md = md.metadata().clone().unwrap();
+    assert_eq!(md["format"], "pt");
+    assert_eq!(md["elastic.step"], "3");
+    assert!(!md.contains_key("elastic.shards"), "the export is whole");
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&dest.join("model.safetensors")), 0o600);
+    assert_eq!(mode(&dest), 0o700);
+
+    // With the shard size at w's bytes, b (first by name) fills one file and w needs another.
+    let dest = out.path().join("hf-shards");
+    let report = store
+        .export(
+            Some(3),
+            "model",
+            &dest,
+            w.data.len() as u64,
+            &ReadOptions::default(),
+            &cancel(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        report.index.as_deref(),
+        Some("model.safetensors.index.json")
+    );
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dest.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        index,
+        serde_json::json!({
+            "metadata": {"total_size": w.data.len() + b.data.len()},
+            "weight_map": {
+                "b": "model-00001-of-00002.safetensors",
+                "w": "model-00002-of-00002.safetensors",
+            },
+        })
+    );
+    let bytes = std::fs::read(dest.join("model-00002-of-00002.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(st.names(), ["w"]);
+    assert!(st.tensor("w").unwrap().data() == &w.data[..]);
+}
+
 /// Runs every case, each on a fresh store from `make(case_name)`.
 pub async fn run_suite(make: impl Fn(&str) -> Store, other: impl Fn(&str) -> Store) {
     pull_is_byte_identical_to_push(&make("pull")).await;
@@ -480,6 +631,7 @@ pub async fn run_suite(make: impl Fn(&str) -> Store, other: impl Fn(&str) -> Sto
     commit_refuses_while_a_writer_is_missing(&make("missing")).await;
     retention_keeps_last_k_and_every_nth_and_removes_leftovers(&make("gc")).await;
     large_chunks_use_multipart_and_ranged_reads(&make("big")).await;
+    export_writes_a_sharded_tensor_whole_in_hugging_face_shards(&make("export")).await;
     cp_copies_a_step_that_pulls_byte_identical(&make("cp-src"), &other("cp-dst")).await;
     cp_copies_a_step_that_pulls_byte_identical(&other("cp-src2"), &make("cp-dst2")).await;
 }

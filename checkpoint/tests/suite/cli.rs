@@ -8,7 +8,7 @@ use crate::common;
 
 const BIN: &str = env!("CARGO_BIN_EXE_elastic-ckpt");
 
-fn run(args: &[&str], env: &[(String, String)]) -> Output {
+pub(crate) fn run(args: &[&str], env: &[(String, String)]) -> Output {
     Command::new(BIN)
         .args(args)
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
@@ -16,7 +16,7 @@ fn run(args: &[&str], env: &[(String, String)]) -> Output {
         .unwrap()
 }
 
-fn ok(args: &[&str], env: &[(String, String)]) -> String {
+pub(crate) fn ok(args: &[&str], env: &[(String, String)]) -> String {
     let out = run(args, env);
     assert!(
         out.status.success(),
