@@ -73,6 +73,7 @@ torch is optional: the environment helpers work without it.
 #   _tree          any training state <-> tensors and a JSON skeleton, StateError
 #   _save          save, async_save, wait, PendingSave, assign_keys, the safetensors writer
 #   _load          load
+#   _load_from     load_from: a checkpoint URL or directory, outside a job
 #
 # Constants are re-exported here for reading; patch them where they are defined (e.g.
 # elastic_run.protocol.METADATA_BYTES_MAX, elastic_run._connection.SAVED_TIMEOUT_S), as the
@@ -105,6 +106,7 @@ from ._env import (
     world_size,
 )
 from ._load import load
+from ._load_from import CheckpointUnavailable, load_from
 from ._lr import LRScaling, scale_lr
 from ._sampler import ElasticSampler
 from ._tree import StateError
@@ -145,6 +147,8 @@ __all__ = [
     "wait",
     "PendingSave",
     "load",
+    "load_from",
+    "CheckpointUnavailable",
     "report_progress",
     "assign_keys",
     "FormatError",

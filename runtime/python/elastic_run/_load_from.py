@@ -1,0 +1,293 @@
+"""Loading a checkpoint outside any elastic-run job, for evaluation and fine-tuning.
+
+:func:`load_from` takes a checkpoint URL (it runs ``elastic-ckpt restore``, so it reads every
+store ``elastic-ckpt`` reads) or a directory that one of these wrote:
+
+- ``elastic-ckpt restore URL DIR --rank R --world-size W`` (``DIR/state.safetensors`` and
+  ``DIR/metadata.json``), or the agent's restore layout (``DIR/rank-<R>/...``);
+- a staged snapshot (``DIR/rank-<R>/tensors.safetensors`` and ``meta.json``, every rank's
+  share);
+- ``elastic-ckpt pull URL DIR`` (the staged files without ``meta.json``: only module entries
+  can be read back, by their tensor names);
+- ``elastic-ckpt export URL DIR`` (one entry, Hugging Face's layout).
+
+Every file is checked as :func:`elastic_run.load` checks it, and nothing is loaded until the
+whole checkpoint fits the state.
+"""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import urllib.parse
+
+from . import _load, _tree
+from ._env import rank, world_size
+from .protocol import _RESTORED, _RESTORED_META, FormatError, _describe
+
+# The longest an `elastic-ckpt restore` may take before load_from gives up on it.
+RESTORE_TIMEOUT_S = 3600
+# What of a failed `elastic-ckpt` run's error output is shown.
+_STDERR_SHOWN_BYTES_MAX = 4000
+# Hugging Face's file names for one exported entry.
+_HF_SINGLE = "model.safetensors"
+_HF_INDEX = "model.safetensors.index.json"
+_URL_SCHEMES = ("file", "s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "adl", "memory", "http", "https")
+
+
+class CheckpointUnavailable(RuntimeError):
+    """``elastic-ckpt restore`` could not give a step: no committed step, a store that does not
+    answer, or a step that does not read whole. The message holds its error output."""
+
+
+def load_from(source, state, step=None, *, strict=True):
+    """Loads a checkpoint into ``state`` outside an elastic-run job, and returns its step.
+
+    ``source`` is a checkpoint URL (``s3://bucket/job``, ``file:///path``, ...: the newest step
+    that reads whole, or ``step``) or a directory (see the module docs). ``state`` is the
+    mapping :func:`elastic_run.load` takes, filled in place the same way: Stateful entries
+    through ``load_state_dict``, plain values set in the mapping; ``strict=False`` lets either
+    side hold entries the other lacks.
+
+    Inside a torchrun or elastic-run job (``RANK``/``WORLD_SIZE`` set) each rank reads what its
+    rank of that world holds: its rows of sharded (FSDP2) state. Outside one, rank 0 of 1: every
+    tensor whole.
+
+    An exported directory holds one entry: ``state`` then names exactly one object (a module,
+    or a dict that receives the tensors). Its step is the one the export recorded, or None.
+
+    Raises :class:`FormatError` for a malformed or unknown directory or a step other than
+    ``step``, :class:`StateError` when the checkpoint does not fit ``state`` (nothing is loaded
+    then), and :class:`CheckpointUnavailable` when ``elastic-ckpt`` cannot restore from a URL.
+    """
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"elastic_run.load_from: the source is a {type(source).__name__}, not a URL or a path")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"elastic_run.load_from: step {_describe(step)} is not a step number")
+    src = os.fspath(source)
+    if _is_url(src):
+        return _from_store(src, state, step, strict)
+    if not os.path.isdir(src):
+        raise FormatError(f"{src}: neither a checkpoint URL nor a directory")
+    return _from_dir(src, state, step, strict)
+
+
+def _is_url(s):
+    scheme, sep, _ = s.partition("://")
+    return bool(sep) and scheme.lower() in _URL_SCHEMES
+
+
+def _ckpt_exe():
+    """``$ELASTIC_CKPT``, else ``elastic-ckpt`` on ``PATH`` (the wheel installs it there)."""
+    exe = os.environ.get("ELASTIC_CKPT") or shutil.which("elastic-ckpt")
+    if not exe:
+        raise CheckpointUnavailable("elastic_run.load_from: elastic-ckpt is not on PATH (install the elastic-run "
+                                    "wheel, or set ELASTIC_CKPT to its path)")
+    return exe
+
+
+def _from_store(url, state, step, strict):
+    # A private directory (mkdtemp makes it 0700), removed afterwards whatever happens.
+    tmp = tempfile.mkdtemp(prefix="elastic_run-load_from-")
+    try:
+        dest = os.path.join(tmp, "restored")
+        cmd = [_ckpt_exe(), "--json", "restore", url, dest, "--rank", str(rank()), "--world-size",
+               str(world_size())]
+        if step is not None:
+            cmd += ["--step", str(step)]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=RESTORE_TIMEOUT_S,
+                               stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise CheckpointUnavailable(f"elastic-ckpt restore {url}: no answer within {RESTORE_TIMEOUT_S} s") from None
+        if p.returncode != 0:
+            err = p.stderr.strip()[-_STDERR_SHOWN_BYTES_MAX:]
+            raise CheckpointUnavailable(f"elastic-ckpt restore {url} failed (exit {p.returncode}): {err}")
+        shards = {}
+        got, tensors, rest = _load._read_restored(dest, shards=shards)
+        if step is not None and got != step:
+            raise FormatError(f"{url}: elastic-ckpt restored step {got}, not step {step}")
+        return _apply(state, rest, tensors, f"{url} step {got}", strict, got, shards)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _from_dir(d, state, step, strict):
+    def is_file(*parts):
+        return os.path.isfile(os.path.join(d, *parts))
+
+    shards = {}
+    ranks = sorted(n for n in os.listdir(d) if n.startswith("rank-") and os.path.isdir(os.path.join(d, n)))
+    if is_file(_RESTORED) and is_file(_RESTORED_META):
+        got, tensors, rest = _load._read_restored(d, shards=shards)
+    elif os.path.isfile(os.path.join(d, f"rank-{rank()}", _RESTORED)):
+        got, tensors, rest = _load._read_restored(os.path.join(d, f"rank-{rank()}"), shards=shards)
+    elif any(is_file(r, "meta.json") for r in ranks):
+        got, tensors, rest = _load._read_staged(d, shards=shards)
+    elif is_file(_HF_INDEX) or is_file(_HF_SINGLE):
+        return _from_export(d, state, step, strict)
+    elif any(is_file(r, "tensors.safetensors") for r in ranks):
+        return _from_pull(d, [os.path.join(d, r, "tensors.safetensors") for r in ranks], state, step, strict)
+    else:
+        raise FormatError(f"{d}: not a checkpoint directory (no {_RESTORED}, rank-*/, {_HF_SINGLE} or {_HF_INDEX})")
+    if step is not None and got != step:
+        raise FormatError(f"{d}: holds step {got}, not step {step}")
+    return _apply(state, rest, tensors, d, strict, got, shards)
+
+
+def _apply(state, rest, tensors, where, strict, step, shards):
+    if _tree.is_skeleton(rest):
+        _tree.apply(state, rest, tensors, where, strict=strict, shards=shards)
+        return step
+    if shards:
+        raise _tree.StateError(f"{where}: step {step} holds sharded tensors, which only a state mapping loads")
+    # A checkpoint of save(step, model=, optimizer=, extra=): its model and optimizer load into
+    # entries named so.
+    if not isinstance(state, dict) or not set(state) <= {"model", "optimizer"}:
+        raise _tree.StateError(f"{where}: step {step} was saved with save(step, model=, optimizer=, extra=): load it "
+                               "into a state of the entries 'model' and 'optimizer'")
+    _load._apply(tensors, rest, state.get("model"), state.get("optimizer"), where)
+    return step
+
+
+def _single_entry(state, where):
+    if not isinstance(state, dict) or len(state) != 1:
+        names = sorted(state) if isinstance(state, dict) else state
+        raise _tree.StateError(f"{where}: holds one entry's tensors: pass a state of one entry, not {_describe(names)}")
+    return next(iter(state.items()))
+
+
+def _load_flat(state, name, tensors, where, strict):
+    """Loads ``tensors`` (a module's ``state_dict()`` names) into ``state[name]``: a module (or
+    another Stateful object) through ``load_state_dict``, else the dict is set in the mapping."""
+    # Through the state form's own path, so a flat entry gets every check a saved one gets.
+    names = {k: f"flat/{i}" for i, k in enumerate(tensors)}
+    skeleton = {"format": _tree.STATE_FORMAT, "entries": {name: {
+        "stateful": _tree.is_stateful(state[name]), "value": {k: {"$t": n} for k, n in names.items()}}}}
+    one = {name: state[name]}
+    _tree.apply(one, skeleton, {n: tensors[k] for k, n in names.items()}, where, strict=strict)
+    state[name] = one[name]
+
+
+def _regular(path):
+    """Whether ``path`` is a regular file, without following a symlink."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _from_export(d, state, step, strict):
+    from safetensors import SafetensorError, safe_open
+
+    name, _ = _single_entry(state, d)
+    if os.path.isfile(os.path.join(d, _HF_INDEX)):
+        index = _load._read_object(os.path.join(d, _HF_INDEX))
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise FormatError(f"{d}/{_HF_INDEX}: weight_map is {_describe(weight_map)}, not an object of file names")
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if os.path.basename(f) != f or f in (".", "..") or not f.endswith(".safetensors"):
+                raise FormatError(f"{d}/{_HF_INDEX}: {f!r} is not a safetensors file name in {d}")
+    else:
+        weight_map, files = None, [_HF_SINGLE]
+    tensors, steps = {}, set()
+    for f in files:
+        path = os.path.join(d, f)
+        if not _regular(path):
+            raise FormatError(f"{path}: missing or not a regular file")
+        try:
+            with safe_open(path, framework="pt") as sf:
+                md = sf.metadata() or {}
+                if "elastic.step" in md:
+                    steps.add(md["elastic.step"])
+                for k in sf.keys():
+                    if k in tensors:
+                        raise FormatError(f"{d}: tensor {k!r} is stored twice")
+                    if weight_map is not None and weight_map.get(k) != f:
+                        raise FormatError(f"{d}/{_HF_INDEX}: tensor {k!r} is in {f}, the index says "
+                                          f"{_describe(weight_map.get(k))}")
+                    tensors[k] = sf.get_tensor(k)
+        except SafetensorError as e:
+            raise FormatError(f"{path}: not a safetensors file: {e}") from None
+    if weight_map is not None and set(weight_map) != set(tensors):
+        missing = sorted(set(weight_map) - set(tensors))[:5]
+        raise FormatError(f"{d}/{_HF_INDEX}: names tensors no file holds: {missing}")
+    got = None
+    if len(steps) > 1:
+        raise FormatError(f"{d}: files of different steps {sorted(steps)}")
+    if steps:
+        text = steps.pop()
+        if not text.isdigit() or len(text) > 16:
+            raise FormatError(f"{d}: elastic.step {_describe(text)} is not a step number")
+        got = int(text)
+    if step is not None and got != step:
+        raise FormatError(f"{d}: holds step {got}, not step {step}")
+    _load_flat(state, name, tensors, d, strict)
+    return got
+
+
+def _unescape(part, where):
+    """A path part of a tensor name back to the ``state_dict()`` key it was written from (the
+    inverse of ``_tree``'s escaping of str keys)."""
+    if part == "%":
+        return ""
+    if part.startswith("~"):
+        raise FormatError(f"{where}: the key {part!r} is not a string key")
+    return urllib.parse.unquote(part, errors="strict")
+
+
+def _from_pull(d, paths, state, step, strict):
+    """A pulled step: every rank's staged tensors, without the JSON skeleton, so only entries
+    whose tensors are a flat ``state_dict()`` (modules) can be read back."""
+    tensors, steps = {}, set()
+    for path in paths:
+        shards = {}
+
+        def check(header, keys, path=path, shards=shards):
+            if "step" in header:
+                steps.add(header["step"])
+            if header.get("elastic.shards"):
+                shards.update(json.loads(header["elastic.shards"]))
+
+        for k, t in _load._read_tensors(path, check).items():
+            if k in shards:
+                raise FormatError(f"{path}: {k!r} is sharded: load a pulled sharded step with "
+                                  "load_from(URL), which restores this rank's rows")
+            if k in tensors:
+                raise FormatError(f"{d}: tensor {k!r} stored twice")
+            tensors[k] = t
+    if len(steps) > 1:
+        raise FormatError(f"{d}: files of different steps {sorted(steps)}")
+    got = int(steps.pop()) if steps and next(iter(steps)).isdigit() else None
+    if step is not None and got != step:
+        raise FormatError(f"{d}: holds step {got}, not step {step}")
+    entries = {}
+    for k, t in tensors.items():
+        head, _, rest = k.partition("/")
+        if head == "state":
+            name, _, key = rest.partition("/")
+        elif head == "model":  # save(step, model=...)
+            name, key = "model", rest
+        else:
+            continue
+        if "/" in key:
+            entries.setdefault(name, None)  # nested: not a module's flat state_dict()
+        elif entries.get(name, {}) is not None:
+            entries.setdefault(name, {})[_unescape(key, f"{d}: tensor {k!r}")] = t
+    unknown = sorted(set(entries) - set(state))
+    missing = sorted(set(state) - set(entries))
+    if strict and (unknown or missing):
+        raise _tree.StateError(f"{d}: the pulled step holds the tensors of {sorted(entries)}, the state names "
+                               f"{sorted(state)}; a pulled directory holds no JSON state, so only modules load from "
+                               "it (load_from(URL) reads the whole state; strict=False allows the difference)")
+    for name in sorted(set(entries) & set(state)):
+        if entries[name] is None or not _tree.is_stateful(state[name]):
+            raise _tree.StateError(f"{d}: state[{name!r}] is not a module's flat state_dict(): a pulled directory "
+                                   "holds no JSON state; load it with load_from(URL)")
+    for name in sorted(set(entries) & set(state)):
+        _load_flat(state, name, entries[name], d, strict)
+    return got

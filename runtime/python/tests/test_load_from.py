@@ -1,0 +1,161 @@
+"""load_from: a checkpoint read outside any job, from a bucket (through the real `elastic-ckpt
+restore`), and from what `elastic-ckpt pull`, `export` and `restore` write.
+
+The step is committed as the agent commits it: every rank's staged `tensors.safetensors` pushed
+as `rank-<R>/tensors.safetensors`, with the state's JSON skeleton in the manifest metadata.
+`elastic-ckpt` is `$ELASTIC_CKPT`, else the workspace's `target/debug/elastic-ckpt` (the test
+command builds it before these tests run)."""
+
+import json
+import os
+import subprocess
+import unittest
+
+from tests import test_client as tc
+
+er = tc.er
+REPO = os.path.abspath(os.path.join(tc.CLIENT_DIR, "..", ".."))
+
+
+def ckpt_exe():
+    exe = os.environ.get("ELASTIC_CKPT") or os.path.join(REPO, "target", "debug", "elastic-ckpt")
+    if not os.path.isfile(exe):
+        raise AssertionError(f"{exe} not found: build the workspace first (cargo build --workspace)")
+    return exe
+
+
+class LoadFrom(tc.TorchEnv):
+    def setUp(self):
+        super().setUp()
+        self.env(ELASTIC_CKPT=ckpt_exe())
+        for k in ("RANK", "WORLD_SIZE", "ELASTIC_AGENT_SOCKET", "ELASTIC_RESUME_DIR", "ELASTIC_RESUME_STEP"):
+            os.environ.pop(k, None)
+
+    def ckpt(self, *args, ok=True):
+        p = subprocess.run([ckpt_exe(), *args], capture_output=True, text=True, timeout=120)
+        if ok and p.returncode != 0:
+            raise AssertionError(f"elastic-ckpt {args}: {p.stderr}")
+        return p
+
+    def state(self, seed):
+        torch = self.torch
+        model, opt = self.make(seed)
+        ema = self.make(seed + 100)[0]
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+        opt.step()  # a no-op without gradients, in the order the scheduler expects
+        sched.step()
+        return {"model": model, "ema": ema, "opt": opt, "sched": sched,
+                "progress": {"seen": seed, "rng": torch.get_rng_state()}}
+
+    def commit(self, step=5, world=2):
+        """Saves the state as `world` ranks and commits it to a file:// bucket as the agent does."""
+        st = self.state(0)
+        staging = os.path.join(self.tmp.name, "staging")
+        for r in range(world):
+            self.env(ELASTIC_STAGING_DIR=staging, RANK=r, WORLD_SIZE=world)
+            er.save(step, st)
+        os.environ.pop("RANK")
+        os.environ.pop("WORLD_SIZE")
+        staged = os.path.join(staging, f"step-{step}")
+        skeleton = tc.read_json(os.path.join(staged, "rank-0", "meta.json"))["state"]
+        url = "file://" + os.path.join(self.tmp.name, "bucket")
+        self.ckpt("push", staged, url, "--step", str(step), "--world-size", str(world),
+                  "--metadata", json.dumps({"elastic": {"generation": 1}, "state": skeleton}))
+        return st, staged, url
+
+    def assert_same(self, a, b, names=("model", "ema", "opt", "sched")):
+        torch = self.torch
+
+        def flat(v, out, at=""):
+            if isinstance(v, torch.Tensor):
+                out[at] = v
+            elif isinstance(v, dict):
+                for k, x in v.items():
+                    flat(x, out, f"{at}/{k}")
+            elif isinstance(v, (list, tuple)):
+                for i, x in enumerate(v):
+                    flat(x, out, f"{at}/{i}")
+            else:
+                out[at] = v
+            return out
+
+        for n in names:
+            fa, fb = flat(a[n].state_dict(), {}), flat(b[n].state_dict(), {})
+            self.assertEqual(sorted(fa), sorted(fb), n)
+            for k in fa:
+                if isinstance(fa[k], torch.Tensor):
+                    self.assertTrue(torch.equal(fa[k], fb[k]), f"{n}{k}")
+                else:
+                    self.assertEqual(fa[k], fb[k], f"{n}{k}")
+
+    def test_a_bucket_loads_the_whole_state_through_elastic_ckpt_restore(self):
+        saved, _, url = self.commit()
+        fresh = self.state(7)
+        self.assertEqual(er.load_from(url, fresh), 5)
+        self.assert_same(saved, fresh)
+        self.assertEqual(fresh["progress"]["seen"], 0)
+        self.assertTrue(self.torch.equal(fresh["progress"]["rng"], saved["progress"]["rng"]))
+        # By number: the step, or an error naming what elastic-ckpt said.
+        self.assertEqual(er.load_from(url, self.state(8), step=5), 5)
+        with self.assertRaisesRegex(er.CheckpointUnavailable, "restore .* failed"):
+            er.load_from(url, self.state(8), step=6)
+        # Nothing of the temporary restore is left behind.
+        leftovers = [n for n in os.listdir(os.environ.get("TMPDIR", "/tmp")) if n.startswith("elastic_run-load_from-")]
+        self.assertEqual(leftovers, [])
+
+    def test_a_staged_snapshot_and_a_restored_directory_load_whole(self):
+        saved, staged, url = self.commit()
+        fresh = self.state(7)
+        self.assertEqual(er.load_from(staged, fresh), 5)
+        self.assert_same(saved, fresh)
+        restored = os.path.join(self.tmp.name, "restored")
+        self.ckpt("restore", url, restored, "--rank", "0", "--world-size", "1")
+        fresh = self.state(9)
+        self.assertEqual(er.load_from(restored, fresh), 5)
+        self.assert_same(saved, fresh)
+        with self.assertRaisesRegex(er.FormatError, "holds step 5, not step 4"):
+            er.load_from(restored, self.state(9), step=4)
+
+    def test_a_pulled_step_loads_its_modules_and_names_what_it_cannot_hold(self):
+        saved, _, url = self.commit()
+        pulled = os.path.join(self.tmp.name, "pulled")
+        self.ckpt("pull", url, pulled)
+        fresh = self.state(7)
+        self.assertEqual(er.load_from(pulled, {"model": fresh["model"], "ema": fresh["ema"]}, strict=False), 5)
+        self.assert_same(saved, fresh, names=("model", "ema"))
+        # The optimizer's state needs the JSON skeleton a pull does not bring.
+        with self.assertRaisesRegex(er.StateError, "holds no JSON state"):
+            er.load_from(pulled, self.state(8))
+
+    def test_an_exported_entry_loads_into_a_module_and_one_entry_only(self):
+        saved, _, url = self.commit()
+        out = os.path.join(self.tmp.name, "export")
+        self.ckpt("export", url, out, "--key", "ema")
+        fresh = self.state(7)
+        self.assertEqual(er.load_from(out, {"ema": fresh["ema"]}), 5)
+        self.assert_same(saved, fresh, names=("ema",))
+        with self.assertRaisesRegex(er.StateError, "one entry"):
+            er.load_from(out, {"model": fresh["model"], "ema": fresh["ema"]})
+        # A module of another shape is refused before anything loads.
+        torch = self.torch
+        other = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+        before = [p.clone() for p in other.parameters()]
+        with self.assertRaises(er.StateError):
+            er.load_from(out, {"m": other})
+        self.assertTrue(all(torch.equal(a, b) for a, b in zip(before, other.parameters())))
+
+    def test_what_is_no_checkpoint_is_named(self):
+        with self.assertRaisesRegex(er.FormatError, "neither a checkpoint URL nor a directory"):
+            er.load_from(os.path.join(self.tmp.name, "nothing"), {})
+        empty = os.path.join(self.tmp.name, "empty")
+        os.mkdir(empty)
+        with self.assertRaisesRegex(er.FormatError, "not a checkpoint directory"):
+            er.load_from(empty, {})
+        with self.assertRaisesRegex(er.CheckpointUnavailable, "failed"):
+            er.load_from("file://" + empty, {})
+        with self.assertRaisesRegex(ValueError, "not a step number"):
+            er.load_from(empty, {}, step=-1)
+
+
+if __name__ == "__main__":
+    unittest.main()
