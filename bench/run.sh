@@ -5,7 +5,7 @@
 #   bench/run.sh [--reps N] [--sizes 0.25,1] [--s3-sizes 0.25] [--members 10,100,1000] [NAME...]
 #   bench/run.sh --help
 #
-# NAMEs: stall durable restore recovery scale overhead (default: all; `lostwork` = recovery).
+# NAMEs: stall durable restore recovery scale overhead fsdp export (default: all; `lostwork` = recovery).
 # Installs nothing beyond tests/services/setup.sh (the project's venv, etcd, moto) and the
 # release builds of bench/build.sh; torchrun's etcd-v2 backend additionally pip-installs
 # python-etcd into the venv the first time it runs (if PyPI has it).

@@ -4,7 +4,7 @@ ratios to elastic-run, the machine). Run it through bench/run.sh, which builds w
 
     bench/run.sh [--reps 3] [--sizes 0.25,1] [--s3-sizes 0.25] [--members 10,100,1000] ... [NAME...]
 
-NAMEs: stall durable restore recovery scale overhead (recovery covers lost work too).
+NAMEs: stall durable restore recovery scale overhead fsdp export (recovery covers lost work too).
 """
 import argparse
 import json
@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from common import log, summarize  # noqa: E402
 
-BENCHES = ["stall", "durable", "restore", "recovery", "scale", "overhead"]
+BENCHES = ["stall", "durable", "restore", "recovery", "scale", "overhead", "fsdp", "export"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = os.path.join(common.VENV, "bin", "python")
 # Longest a single child run may take before it is killed and recorded as failed.
@@ -63,6 +63,21 @@ def run_ckpt(name, a):
             argv += ["--disk-dir", a.disk_dir]
         if name != "stall" and size in a.s3_sizes:
             argv.append("--s3")
+        try:
+            rows += child(argv, f"{name} {size} GiB")
+        except RuntimeError as e:
+            errors.append(str(e))
+            log(str(e))
+    return rows, errors
+
+
+def run_interop(name, a):
+    rows, errors = [], []
+    for size in a.sizes:
+        argv = [PY, os.path.join(HERE, "interop_bench.py"), name, "--size-gib", str(size), "--reps", str(a.reps),
+                "--warmup", str(a.warmup), "--staging-dir", a.staging_dir]
+        if a.disk_dir:
+            argv += ["--disk-dir", a.disk_dir]
         try:
             rows += child(argv, f"{name} {size} GiB")
         except RuntimeError as e:
@@ -328,11 +343,48 @@ def table_overhead(rows):
     return out
 
 
+def table_fsdp(rows):
+    out = []
+    for (size,), rs in sorted(group(rows, "size_gib").items()):
+        nbytes = rs[0]["state_bytes"]
+        out.append(f"\n**{fmt_b(nbytes)} of FSDP2 state** (model + AdamW, 2 ranks, each holding half of every "
+                   "tensor; save = until durable on file://; restore = from the store into the model and optimizer, "
+                   "checked bitwise)\n")
+        out.append("| what | method | median | range | n | ÷ elastic-run |")
+        out.append("|---|---|---|---|---|---|")
+        for (kind,), kr in sorted(group(rs, "kind").items(), key=lambda kv: kv[0][0] != "save"):
+            by = group(kr, "method")
+            ref = next((med(mr, "seconds") for (m,), mr in by.items() if not m.startswith("dcp")), None)
+            for (m,), mr in by.items():
+                s = med(mr, "seconds")
+                out.append(f"| {kind} | {m} | {fmt_s(s)} | {rng(mr, 'seconds')} | {len(mr)} | {ratio(s, ref)} |")
+    return out
+
+
+def table_export(rows):
+    out = []
+    for (size,), rs in sorted(group(rows, "size_gib").items()):
+        nbytes = rs[0]["state_bytes"]
+        out.append(f"\n**{fmt_b(nbytes)} of model weights** to Hugging Face safetensors (each in a process of its "
+                   "own; peak RSS from wait4; both outputs checked equal)\n")
+        out.append("| method | time (median) | range | n | ÷ elastic-ckpt export | peak RSS | peak RSS ÷ model |")
+        out.append("|---|---|---|---|---|---|---|")
+        by = group(rs, "method")
+        ref = med(by.get(("elastic-ckpt export (file)",), []), "seconds")
+        for (m,), mr in by.items():
+            s = med(mr, "seconds")
+            peak = med(mr, "peak_rss_bytes")
+            out.append(f"| {m} | {fmt_s(s)} | {rng(mr, 'seconds')} | {len(mr)} | {ratio(s, ref)} | {fmt_b(peak)} | "
+                       f"{ratio(peak, nbytes)} |")
+    return out
+
+
 TABLES = {"stall": table_stall, "durable": table_durable, "restore": table_restore, "recovery": table_recovery,
-          "scale": table_scale, "overhead": table_overhead}
+          "scale": table_scale, "overhead": table_overhead, "fsdp": table_fsdp, "export": table_export}
 TITLES = {"stall": "1. Checkpoint stall", "durable": "2. Time until a checkpoint is durable",
           "restore": "3. Restore", "recovery": "4-5. Recovery and lost work (3 nodes x 2 workers, one node lost)",
-          "scale": "6. Rendezvous at scale (one etcd)", "overhead": "7. Launcher overhead while training (standalone, 2 workers)"}
+          "scale": "6. Rendezvous at scale (one etcd)", "overhead": "7. Launcher overhead while training (standalone, 2 workers)",
+          "fsdp": "8. FSDP2 state: save and restore against DCP", "export": "9. Export to Hugging Face safetensors"}
 
 
 def markdown(res):
@@ -418,6 +470,8 @@ def main():
             rows, errors = run_recovery(a)
         elif name == "scale":
             rows, errors = run_scale(a)
+        elif name in ("fsdp", "export"):
+            rows, errors = run_interop(name, a)
         else:
             rows, errors = run_overhead(a)
         res["benchmarks"][name] = {"rows": rows, "errors": errors, "seconds": time.perf_counter() - t}
