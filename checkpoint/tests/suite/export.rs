@@ -64,7 +64,7 @@ opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 model(torch.randn(2, 16)).float().sum().backward()
 opt.step()
 state = {"model": model, "ema": ema, "optim": opt, "step": 3}
-tensors, skeleton = _tree.encode(state)
+tensors, skeleton, _shards = _tree.encode(state)
 big = "state/model/layers.1.weight"
 rest = {k: v for k, v in tensors.items() if k != big}
 owner = _save.assign_keys({k: v.numel() * v.element_size() for k, v in rest.items()}, 2)
