@@ -10,7 +10,7 @@ use checkpoint::export::{EXPORT_KEY_DEFAULT, parse_size_bytes};
 use checkpoint::retention::GcCheck;
 use checkpoint::save::Progress;
 use checkpoint::{
-    CancellationToken, CommitOutcome, CommitRequest, Compression, PartInput, PartSource,
+    CancellationToken, CommitOutcome, CommitRequest, Compression, Manifest, PartInput, PartSource,
     ReadOptions, RetentionPolicy, SaveOptions, Store,
 };
 use clap::{Parser, Subcommand};
@@ -233,6 +233,25 @@ fn check_pull_target(dir: &std::path::Path, force: bool) -> Result<()> {
     Ok(())
 }
 
+/// The length of a read's progress bar: `len` of the step asked for, or of the newest
+/// committed one (a fallback's bytes carry on past it); 0 when there is none or its manifest
+/// does not read (the read itself then says why).
+async fn progress_len(
+    store: &Store,
+    step: Option<u64>,
+    cancel: &CancellationToken,
+    len: impl Fn(&Manifest) -> u64,
+) -> Result<u64> {
+    let step = match step {
+        Some(s) => Some(s),
+        None => store.committed_steps(cancel).await?.last().copied(),
+    };
+    Ok(match step {
+        Some(s) => store.read_manifest(s, cancel).await.map_or(0, |m| len(&m)),
+        None => 0,
+    })
+}
+
 fn bar(json: bool, len: u64, what: &str) -> (ProgressBar, Option<Progress>) {
     if json || !std::io::stderr().is_terminal() {
         return (ProgressBar::hidden(), None);
@@ -432,15 +451,7 @@ async fn run(cli: Cli) -> Result<()> {
                     (m, Vec::new())
                 }
                 None => {
-                    // Sized for the newest step; a fallback's bytes carry on past it.
-                    let newest = store.committed_steps(&cancel).await?.last().copied();
-                    let len = match newest {
-                        Some(s) => store
-                            .read_manifest(s, &cancel)
-                            .await
-                            .map_or(0, |m| m.raw_bytes()),
-                        None => 0,
-                    };
+                    let len = progress_len(&store, None, &cancel, Manifest::raw_bytes).await?;
                     let (pb, progress) = bar(json, len, "pull");
                     let opts = ReadOptions {
                         concurrency,
@@ -480,18 +491,11 @@ async fn run(cli: Cli) -> Result<()> {
         } => {
             checkpoint::restore::check_fresh_dir(&dir, "export target")?;
             let store = open(&url)?;
-            // Sized for the step asked for, or the newest; a fallback's bytes carry on past it.
-            let sized = match step {
-                Some(s) => Some(s),
-                None => store.committed_steps(&cancel).await?.last().copied(),
-            };
-            let len = match sized {
-                Some(s) => store.read_manifest(s, &cancel).await.map_or(0, |m| {
-                    checkpoint::export::plan(&m, &key, max_shard_size)
-                        .map_or(m.raw_bytes(), |p| p.total_bytes)
-                }),
-                None => 0,
-            };
+            let len = progress_len(&store, step, &cancel, |m| {
+                checkpoint::export::plan(m, &key, max_shard_size)
+                    .map_or(m.raw_bytes(), |p| p.total_bytes)
+            })
+            .await?;
             let (pb, progress) = bar(json, len, "export");
             let opts = ReadOptions {
                 concurrency,
@@ -530,18 +534,8 @@ async fn run(cli: Cli) -> Result<()> {
         } => {
             checkpoint::restore::check_fresh_dir(&dir, "restore target")?;
             let store = open(&url)?;
-            let sized = match step {
-                Some(s) => Some(s),
-                None => store.committed_steps(&cancel).await?.last().copied(),
-            };
             // The whole step at most: a rank's share of sharded tensors is less.
-            let len = match sized {
-                Some(s) => store
-                    .read_manifest(s, &cancel)
-                    .await
-                    .map_or(0, |m| m.raw_bytes()),
-                None => 0,
-            };
+            let len = progress_len(&store, step, &cancel, Manifest::raw_bytes).await?;
             let (pb, progress) = bar(json, len, "restore");
             let opts = ReadOptions {
                 concurrency,

@@ -145,6 +145,21 @@ fn python(args: &[&str]) -> std::process::Output {
     out
 }
 
+/// A fresh `file://` bucket (removed with the guard).
+fn new_bucket() -> (tempfile::TempDir, String) {
+    let bucket = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", bucket.path().display());
+    (bucket, url)
+}
+
+/// `elastic-ckpt push DIR URL --step STEP --metadata METADATA EXTRA...`, which must succeed.
+fn push(dir: &Path, url: &str, step: &str, metadata: &str, extra: &[&str]) {
+    let dir = dir.to_str().unwrap();
+    let mut args = vec!["push", dir, url, "--step", step, "--metadata", metadata];
+    args.extend_from_slice(extra);
+    ok(&args, &[]);
+}
+
 #[test]
 fn export_of_a_torch_state_equals_its_state_dicts_bitwise_and_refuses_the_optimizer() {
     let t0 = Instant::now();
@@ -158,22 +173,13 @@ fn export_of_a_torch_state_equals_its_state_dicts_bitwise_and_refuses_the_optimi
     ]);
     let metadata = std::fs::read_to_string(src.path().join("metadata.json")).unwrap();
 
-    let bucket = tempfile::tempdir().unwrap();
-    let url = format!("file://{}", bucket.path().display());
-    let staged = src.path().join("staged");
-    ok(
-        &[
-            "push",
-            staged.to_str().unwrap(),
-            &url,
-            "--step",
-            "5",
-            "--world-size",
-            "2",
-            "--metadata",
-            &metadata,
-        ],
-        &[],
+    let (_bucket, url) = new_bucket();
+    push(
+        &src.path().join("staged"),
+        &url,
+        "5",
+        &metadata,
+        &["--world-size", "2"],
     );
     let show: serde_json::Value =
         serde_json::from_str(&ok(&["show", &url, "--json"], &[])).unwrap();
@@ -306,21 +312,9 @@ fn write_staged(dir: &Path, n: usize, rows: usize) -> String {
 fn export_falls_back_past_a_corrupt_newest_step_and_names_the_object() {
     let staged = tempfile::tempdir().unwrap();
     let metadata = write_staged(staged.path(), 4, 64);
-    let bucket = tempfile::tempdir().unwrap();
-    let url = format!("file://{}", bucket.path().display());
+    let (bucket, url) = new_bucket();
     for step in ["1", "2"] {
-        ok(
-            &[
-                "push",
-                staged.path().to_str().unwrap(),
-                &url,
-                "--step",
-                step,
-                "--metadata",
-                &metadata,
-            ],
-            &[],
-        );
+        push(staged.path(), &url, step, &metadata, &[]);
     }
     let show: serde_json::Value =
         serde_json::from_str(&ok(&["show", &url, "--step", "2", "--json"], &[])).unwrap();
@@ -378,20 +372,8 @@ fn export_falls_back_past_a_corrupt_newest_step_and_names_the_object() {
 fn export_refuses_a_non_empty_or_symlinked_target_and_a_bad_shard_size() {
     let staged = tempfile::tempdir().unwrap();
     let metadata = write_staged(staged.path(), 2, 4);
-    let bucket = tempfile::tempdir().unwrap();
-    let url = format!("file://{}", bucket.path().display());
-    ok(
-        &[
-            "push",
-            staged.path().to_str().unwrap(),
-            &url,
-            "--step",
-            "1",
-            "--metadata",
-            &metadata,
-        ],
-        &[],
-    );
+    let (_bucket, url) = new_bucket();
+    push(staged.path(), &url, "1", &metadata, &[]);
     let out = tempfile::tempdir().unwrap();
 
     let full = out.path().join("full");
@@ -500,21 +482,13 @@ fn export_of_a_2gib_model_holds_a_few_chunks_in_memory() {
             .collect(),
     )])
     .to_string();
-    let bucket = tempfile::tempdir().unwrap();
-    let url = format!("file://{}", bucket.path().display());
-    ok(
-        &[
-            "push",
-            staged.path().to_str().unwrap(),
-            &url,
-            "--step",
-            "1",
-            "--compress",
-            "never",
-            "--metadata",
-            &metadata,
-        ],
-        &[],
+    let (_bucket, url) = new_bucket();
+    push(
+        staged.path(),
+        &url,
+        "1",
+        &metadata,
+        &["--compress", "never"],
     );
     drop(staged);
     let pushed_s = t0.elapsed().as_secs_f64() - staged_s;
@@ -581,8 +555,7 @@ fn export_of_a_2gib_model_holds_a_few_chunks_in_memory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restore_command_writes_what_store_restore_writes_and_refuses_a_non_empty_dir() {
-    let bucket = tempfile::tempdir().unwrap();
-    let url = format!("file://{}", bucket.path().display());
+    let (_bucket, url) = new_bucket();
     let store = Store::open(&url).unwrap();
     common::save_sharded(&store, 4, 2).await;
     let out = tempfile::tempdir().unwrap();
