@@ -6,7 +6,7 @@
 //! workers' output tells what they trained. These tests are heavy (up to 8 PyTorch processes),
 //! so they run one at a time.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::sync::mpsc::Receiver;
@@ -938,8 +938,42 @@ fn fsdp_digests(out: &str) -> Vec<(String, u64, u64, Value)> {
         .collect()
 }
 
+/// Checks an FSDP2 run's exported model and EMA (argv: repo, bucket URL, model dir, EMA dir,
+/// the digests `examples/fsdp_train.py` logged at the final save) through safetensors, DCP's
+/// HuggingFaceStorageReader into a fresh model, and `elastic_run.load_from` of the bucket.
+const FSDP_EXPORT_CHECK: &str = r#"
+import json, os, sys
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from safetensors.torch import load_file
+repo, url, model_dir, ema_dir, want = sys.argv[1:6]
+sys.path[:0] = [os.path.join(repo, "examples"), os.path.join(repo, "runtime", "python")]
+import elastic_run
+from fsdp_train import make_model, tensor_digest
+want = json.loads(want)
+
+def check(got, key, how):
+    expect = {k[len(key) + 1:]: v for k, v in want.items() if k.startswith(key + ".")}
+    have = {k: tensor_digest(t) for k, t in got.items()}
+    assert len(expect) == 6 and have == expect, (how, key, have, expect)
+
+for d, key in ((model_dir, "model"), (ema_dir, "ema")):
+    assert os.listdir(d) == ["model.safetensors"], os.listdir(d)
+    check(load_file(os.path.join(d, "model.safetensors")), key, "safetensors")
+    fresh = make_model()
+    sd = fresh.state_dict()
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(d))
+    fresh.load_state_dict(sd)
+    check(fresh.state_dict(), key, "dcp")
+model, ema = make_model(), make_model()
+step = elastic_run.load_from(url, {"model": model, "ema": ema}, strict=False)
+check(model.state_dict(), "model", "load_from")
+check(ema.state_dict(), "ema", "load_from")
+print(f"ok {step}")
+"#;
+
 #[test]
-fn fsdp_state_resumes_resharded_for_3_and_then_2_nodes_after_a_kill_and_a_preemption() {
+fn fsdp_loop_state_resumes_resharded_after_kill_and_preemption_and_exports_readably() {
     let started = Instant::now();
     let job = Job::new("file");
     let train = ["--steps", "100000", "--step-sleep", "0.05", "--log-digests"];
@@ -1018,14 +1052,50 @@ fn fsdp_state_resumes_resharded_for_3_and_then_2_nodes_after_a_kill_and_a_preemp
             .rev()
             .find(|(ev, s, ..)| ev == "saved" && s == step)
             .unwrap_or_else(|| panic!("no digests saved at step {step}:\n{out_a}"));
-        // 6 parameters, each with AdamW's exp_avg, exp_avg_sq and step.
-        assert_eq!(tensors.as_object().unwrap().len(), 24, "{tensors}");
+        // 6 parameters, each with AdamW's exp_avg, exp_avg_sq and step, and its EMA; the LR
+        // schedule, the GradScaler and the sampler.
+        assert_eq!(tensors.as_object().unwrap().len(), 33, "{tensors}");
         assert_eq!(tensors, saved, "step {step} saved at world {saved_world}");
         resumes.push((*step, *saved_world, *world));
     }
     assert_eq!(resumes, [(resumed_3, 4, 3), (stopped, 3, 2)], "{out_a}");
+
+    // The final step exports to Hugging Face's layout, model and EMA, and what safetensors,
+    // DCP's HuggingFaceStorageReader and elastic_run.load_from (from the bucket, outside any
+    // job: every tensor whole) read back equals what the training processes saved, gathered.
+    let (_, last, _, last_saved) = logged.iter().rev().find(|(ev, ..)| ev == "saved").unwrap();
+    assert_eq!(committed_steps(&job.url).last(), Some(last), "{out_a}");
+    let ckpt = Path::new(BIN).with_file_name("elastic-ckpt");
+    assert!(ckpt.exists(), "{} not built", ckpt.display());
+    let exports = tempfile::tempdir().unwrap();
+    let (model_dir, ema_dir) = (exports.path().join("model"), exports.path().join("ema"));
+    for (dir, key) in [(&model_dir, "model"), (&ema_dir, "ema")] {
+        let mut c = Command::new(&ckpt);
+        c.arg("export").arg(&job.url).arg(dir).args(["--key", key]);
+        c.envs(job.env.iter().map(|(k, v)| (k, v)));
+        let (status, out, err) = run(c, LONG);
+        assert!(status.success(), "export --key {key}: {out}\n{err}");
+        assert!(out.contains(&format!("of step {last}:")), "{out}");
+    }
+    let mut c = Command::new(python());
+    c.args(["-c", FSDP_EXPORT_CHECK]).arg(repo()).arg(&job.url);
+    c.arg(&model_dir).arg(&ema_dir).arg(last_saved.to_string());
+    c.envs(job.env.iter().map(|(k, v)| (k, v)))
+        .env("ELASTIC_CKPT", &ckpt);
+    for k in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
+        c.env_remove(k);
+    }
+    let (status, out, err) = run(c, LONG);
+    assert!(status.success(), "{out}\n{err}");
+    assert_eq!(out.trim(), format!("ok {last}"), "{err}");
     eprintln!(
-        "fsdp resharded resume 4 -> 3 -> 2 nodes: {} ms",
+        "fsdp resharded resume 4 -> 3 -> 2 nodes, export: {} ms",
         started.elapsed().as_millis()
     );
 }
