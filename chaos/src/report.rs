@@ -355,6 +355,7 @@ mod tests {
                     generation: 1,
                     bytes: 100,
                     by_this_node: true,
+                    store_ms: 0,
                 },
             ),
             generation(5000, "n0", 2, 2, 0.66),

@@ -11,7 +11,7 @@
 //! | `generation` | `generation`, `world_size`, `node_rank`, `rank_offset`, `members`, `lr_scale`, `lr`, `batch_size`, `global_batch`, `grad_accum_steps`, `resume_step`, `prev_last_step` (the highest step this node's workers reported before) |
 //! | `workers_started` | `generation`, `restart_count` |
 //! | `first_step` | `generation`, `step` (the first progress report of a worker group) |
-//! | `checkpoint_committed` | `step`, `generation`, `bytes`, `by_this_node` |
+//! | `checkpoint_committed` | `step`, `generation`, `bytes`, `by_this_node`, `store_ms` (this node's upload and commit time in the store) |
 //! | `checkpoint_skipped` | `step`, `generation`, `rank`, `reason` (a worker could not stage its snapshot: a full staging disk) |
 //! | `staging_too_small` | `step`, `checkpoint_bytes`, `staging_bytes`, `needed_bytes` (at the first checkpoint, when staging cannot hold five of them) |
 //! | `restore_fell_back` | `generation`, `skipped` (newer committed steps that did not verify), `step` (the one restored) |
@@ -94,6 +94,10 @@ pub enum Event {
         generation: u64,
         bytes: u64,
         by_this_node: bool,
+        /// This node's time in the store for the step: its upload, then the commit (the
+        /// manifest, or finding a peer's). Time queued behind earlier commits is not counted.
+        #[serde(default)]
+        store_ms: u64,
     },
     /// A worker could not stage its snapshot (a full staging disk): the step is given up.
     CheckpointSkipped {
@@ -275,6 +279,7 @@ mod tests {
                 generation: 3,
                 bytes: 1 << 20,
                 by_this_node: true,
+                store_ms: 840,
             },
             Event::CheckpointSkipped {
                 step: 30,

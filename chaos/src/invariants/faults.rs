@@ -12,6 +12,8 @@ use crate::scenario::{FaultKind, Scenario};
 pub use runtime::agent::COMMIT_PIPELINE_CHECKPOINTS;
 /// How long after store trouble ends its backlog may still be draining.
 pub const STORE_BACKLOG_WINDOW_MS: u64 = 30_000;
+/// How far before or after a fault the commits lie whose store time may widen its bound.
+pub const STORE_TIME_WINDOW_MS: u64 = 10_000;
 
 /// The generation current at `t` (the newest generation event before it).
 fn generation_at(events: &[Record], t: u64) -> u64 {
@@ -162,12 +164,35 @@ fn given_up_between(events: &[Record], resume: u64, reached: u64) -> u64 {
     steps.len() as u64
 }
 
+/// The steps training may run past a checkpoint while the store takes it, around `t`: the
+/// longest store time (`store_ms`: upload and commit, not time queued in the agent) of a commit
+/// within [`STORE_TIME_WINDOW_MS`] of `t`, in steps of the scenario's pace (its step sleep, a
+/// lower bound of a step's time, so the count errs high), rounded up. A slow store widens a
+/// crash's bound by these; an agent that stalls between its commits does not.
+fn steps_in_store_time(s: &Scenario, events: &[Record], t: u64) -> u64 {
+    let store_ms = events
+        .iter()
+        .filter(|e| e.ts_ms + STORE_TIME_WINDOW_MS >= t && e.ts_ms <= t + STORE_TIME_WINDOW_MS)
+        .filter_map(|e| match e.event {
+            Event::CheckpointCommitted { store_ms, .. } => Some(store_ms),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    let step_ms = (s.step_sleep_s * 1000.0).max(1.0);
+    // Saturating float-to-int cast; the caller caps the bound at the pipeline's depth.
+    (store_ms as f64 / step_ms).ceil() as u64
+}
+
 /// 4. Lost work per fault. After store trouble the agents hold a backlog of staged,
 ///    uncommitted checkpoints (at most the commit pipeline's depth: workers wait beyond it),
 ///    so a crash then may lose up to that many intervals. A crash may also lose one more
 ///    interval for each checkpoint that a full staging filesystem made the job give up
-///    since its newest commit: those steps were never committed anywhere. A preemption's
-///    bound of 0 is not widened by them: its drained step commits regardless.
+///    since its newest commit: those steps were never committed anywhere. Otherwise a crash
+///    loses at most one interval plus the steps trained while the store took the checkpoint
+///    before it ([`steps_in_store_time`]), never more than the pipeline's depth. A
+///    preemption's bound of 0 is not widened by any of these: its drained step commits
+///    regardless.
 pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]) -> Check {
     let mut bad = Vec::new();
     for e in effects(events, fired) {
@@ -182,10 +207,15 @@ pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]
             }
             _ => 0,
         };
+        let pipeline = s.checkpoint_interval * COMMIT_PIPELINE_CHECKPOINTS;
         let crash_bound = if backlog {
-            s.checkpoint_interval * COMMIT_PIPELINE_CHECKPOINTS
+            pipeline
         } else {
-            s.checkpoint_interval
+            pipeline.min(s.checkpoint_interval.saturating_add(steps_in_store_time(
+                s,
+                events,
+                e.at_unix_ms,
+            )))
         } + s.checkpoint_interval * given_up;
         let bound = match e.kind {
             // A node already fenced (cut off from etcd, its workers stopped) when the
@@ -218,7 +248,7 @@ pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]
         bad.is_empty(),
         if bad.is_empty() {
             format!(
-                "0 for preemptions, at most the checkpoint interval otherwise ({COMMIT_PIPELINE_CHECKPOINTS} intervals within {STORE_BACKLOG_WINDOW_MS} ms of store trouble)"
+                "0 for preemptions, at most the checkpoint interval plus the steps of a commit's store time otherwise ({COMMIT_PIPELINE_CHECKPOINTS} intervals within {STORE_BACKLOG_WINDOW_MS} ms of store trouble)"
             )
         } else {
             bad.join("; ")
@@ -342,6 +372,40 @@ mod tests {
         k[0].at_unix_ms += 100_000;
         f.extend(k);
         assert!(!lost_work_check(&s, &evs_late, &f).ok);
+    }
+
+    #[test]
+    fn a_slow_store_widens_a_crash_bound_by_the_steps_of_its_store_time_and_a_stall_does_not() {
+        // The kill at 3500 ms costs 13 steps (resume 0): one interval of 5 plus 8 steps.
+        let s = scenario();
+        let mut evs = events();
+        set_resume_step(&mut evs[4], 0);
+        let f = fired(FaultKind::SigkillAgent);
+        let with_store_ms = |store_ms: u64, at: u64| {
+            let mut evs = evs.clone();
+            let Event::CheckpointCommitted { store_ms: ms, .. } = &mut evs[2].event else {
+                unreachable!()
+            };
+            *ms = store_ms;
+            evs[2].ts_ms = at;
+            lost_work_check(&s, &evs, &f).ok
+        };
+        // 50 ms steps: 400 ms in the store is 8 steps of training, 350 ms only 7.
+        assert!(with_store_ms(400, 3000));
+        assert!(!with_store_ms(350, 3000));
+        // A commit long after the crash says nothing of the store at the crash.
+        assert!(!with_store_ms(400, 3500 + STORE_TIME_WINDOW_MS + 1));
+        // A store however slow widens the bound to the pipeline's depth and no more.
+        let mut deeper = evs.clone();
+        let Event::Generation { prev_last_step, .. } = &mut deeper[4].event else {
+            unreachable!()
+        };
+        *prev_last_step = Some(s.checkpoint_interval * COMMIT_PIPELINE_CHECKPOINTS + 1);
+        let Event::CheckpointCommitted { store_ms, .. } = &mut deeper[2].event else {
+            unreachable!()
+        };
+        *store_ms = u64::MAX;
+        assert!(!lost_work_check(&s, &deeper, &f).ok);
     }
 
     fn set_resume_step(r: &mut Record, step: u64) {

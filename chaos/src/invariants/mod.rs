@@ -179,6 +179,7 @@ mod tests {
                 generation,
                 bytes: 1_000,
                 by_this_node: true,
+                store_ms: 0,
             },
         )
     }

@@ -344,6 +344,7 @@ pub(super) async fn commit_loop(
                     generation,
                     bytes: done.bytes,
                     by_this_node: done.by_this_node,
+                    store_ms: done.upload_ms + done.commit_ms,
                 });
                 committed.send_modify(|c| {
                     if c.is_none_or(|c| c < step) {
