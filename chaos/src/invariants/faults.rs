@@ -140,6 +140,27 @@ fn staging_full_anywhere_at(fired: &[Fired], t: u64) -> bool {
     })
 }
 
+/// Whether the worker group current at `t` had already failed by then: a worker of that
+/// generation failed, or an agent or a worker was killed in it. Its survivors cannot save an
+/// agreed step (a rank is gone), so the group restarts from the newest commit, and a drain
+/// then loses what that failure loses.
+fn group_failed_at(events: &[Record], fired: &[Fired], t: u64) -> bool {
+    let g = generation_at(events, t);
+    let worker_failed = events.iter().any(|e| {
+        e.ts_ms <= t && matches!(e.event, Event::WorkerFailed { generation, .. } if generation == g)
+    });
+    worker_failed
+        || fired.iter().any(|f| {
+            f.skipped.is_none()
+                && matches!(
+                    f.fault.kind,
+                    FaultKind::SigkillAgent | FaultKind::SigkillWorker
+                )
+                && f.at_unix_ms <= t
+                && generation_at(events, f.at_unix_ms) == g
+        })
+}
+
 /// Whether a store fault was active at `t` or ended less than the backlog window before it.
 fn store_trouble_before(fired: &[Fired], t: u64) -> bool {
     fired.iter().any(|f| {
@@ -221,11 +242,12 @@ pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]
             // A node already fenced (cut off from etcd, its workers stopped) when the
             // preemption came has nothing left to save: it lost what a partition loses.
             // Nor can a drain while any node's staging filesystem is full: the agreed step
-            // lacks that node's part.
+            // lacks that node's part. Nor a drain of a group that a crash already broke.
             k if k.is_preemption()
                 && (fenced_at(events, e.node, e.at_unix_ms)
                     || cut_off_at(fired, e.node, e.at_unix_ms)
-                    || staging_full_anywhere_at(fired, e.at_unix_ms)) =>
+                    || staging_full_anywhere_at(fired, e.at_unix_ms)
+                    || group_failed_at(events, fired, e.at_unix_ms)) =>
             {
                 Some(crash_bound)
             }
@@ -406,6 +428,48 @@ mod tests {
         };
         *store_ms = u64::MAX;
         assert!(!lost_work_check(&s, &deeper, &f).ok);
+    }
+
+    #[test]
+    fn a_preemption_of_a_group_a_crash_already_broke_may_lose_what_the_crash_loses() {
+        // Generation 2 resumes from 10 with 13 reached: 3 steps lost. A worker of generation 1
+        // failed at 4000 ms (exit 137).
+        let s = scenario();
+        let evs = events();
+        let sigterm_at = |t: u64| {
+            let mut f = fired(FaultKind::SigtermAgent);
+            f[0].at_unix_ms = t;
+            f
+        };
+        assert!(
+            !lost_work_check(&s, &evs, &sigterm_at(3500)).ok,
+            "before the failure: 3 > 0"
+        );
+        assert!(
+            lost_work_check(&s, &evs, &sigterm_at(4500)).ok,
+            "after it: the crash's bound"
+        );
+        // A worker killed before the SIGTERM breaks the group too, whoever reports it.
+        let no_report: Vec<Record> = evs
+            .iter()
+            .filter(|e| !matches!(e.event, Event::WorkerFailed { .. }))
+            .cloned()
+            .collect();
+        assert!(!lost_work_check(&s, &no_report, &sigterm_at(4500)).ok);
+        let mut f = fired(FaultKind::SigkillWorker);
+        f.extend(sigterm_at(4500));
+        assert!(lost_work_check(&s, &no_report, &f).ok);
+        // A failure of an earlier generation does not excuse a drain of a later one.
+        let mut later = evs.clone();
+        later.push(first_step(9500, "a", 2, 11));
+        let Event::Generation { prev_last_step, .. } = &mut later[4].event else {
+            unreachable!()
+        };
+        *prev_last_step = Some(13);
+        later.push(generation(12_000, "a", 3, 2, Some(10), Some(13)));
+        let e = effects(&later, &sigterm_at(10_000));
+        assert_eq!(e[0].lost_steps, Some(3), "{e:?}");
+        assert!(!lost_work_check(&s, &later, &sigterm_at(10_000)).ok);
     }
 
     fn set_resume_step(r: &mut Record, step: u64) {
