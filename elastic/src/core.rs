@@ -38,6 +38,12 @@
 //!   stale and ignored: it was served (or overtaken by a loss), so several requests for one
 //!   generation give one new generation. A loss or an undersized generation is handled by its
 //!   own rule first.
+//! - **Stale resume** (the newest commit was saved by an older generation than the current
+//!   one, and is newer than the step the current generation resumes from: the previous
+//!   generation's commit pipeline finished it after the freeze): freeze a new generation at
+//!   once with the same members in the same order, plus waiters up to `max`, so that it
+//!   resumes from that commit rather than redo committed steps on a branch of its own. Checked
+//!   after a loss, a restart request and a drain (each re-forms the generation anyway, or will).
 //! - Members beyond `max` are spares: they wait until a slot frees.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -119,6 +125,9 @@ pub struct CommitInfo {
     pub step: u64,
     /// When it was recorded, on the same order key as [`Observed::joined_at`].
     pub at: u64,
+    /// The generation whose workers saved it, when the reporter knew.
+    #[serde(default)]
+    pub generation: Option<u64>,
 }
 
 /// Timing state derived from successive observations; see [`Tracker`].
@@ -148,6 +157,9 @@ pub struct Input {
     /// `current_number` counts.
     #[serde(default)]
     pub restart_requested_for: Option<u64>,
+    /// The step the current generation resumes from; `None` when it started from scratch.
+    #[serde(default)]
+    pub current_resume_step: Option<u64>,
 }
 
 /// Why the core decided what it decided.
@@ -180,6 +192,13 @@ pub enum Reason {
     BelowMin { present: u32, min: u32 },
     /// A member asked for a restart of the current generation (its workers failed).
     RestartRequested { generation: u64 },
+    /// The previous generation committed a newer step after the current one was frozen:
+    /// its members would redo committed steps on another branch of the run.
+    StaleResume {
+        resume: Option<u64>,
+        committed: u64,
+        by_generation: u64,
+    },
     /// Below `min` for longer than the timeout.
     BelowMinTimeout {
         present: u32,
@@ -210,6 +229,20 @@ impl std::fmt::Display for Reason {
             Reason::RestartRequested { generation } => {
                 write!(f, "restart of generation {generation} requested")
             }
+            Reason::StaleResume {
+                resume,
+                committed,
+                by_generation,
+            } => match resume {
+                Some(r) => write!(
+                    f,
+                    "generation {by_generation} committed step {committed} after this generation was frozen to resume from step {r}"
+                ),
+                None => write!(
+                    f,
+                    "generation {by_generation} committed step {committed} after this generation was frozen to start from scratch"
+                ),
+            },
             Reason::BelowMinTimeout {
                 present,
                 min,
@@ -388,6 +421,26 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
     if !draining.is_empty() {
         return Decision::Keep {
             reason: Reason::Draining { nodes: draining },
+        };
+    }
+    // A step the previous generation's commit pipeline finished after the current one was
+    // frozen: re-form with the same members (and waiters, who are admitted at a restart) so
+    // that they resume from it instead of redoing it.
+    if let Some(c) = input.last_commit
+        && let Some(by) = c.generation
+        && by < input.current_number
+        && input.current_resume_step.is_none_or(|r| r < c.step)
+    {
+        let mut members = current.to_vec();
+        members.extend(waiting.iter().map(|m| m.node_id.clone()));
+        members.truncate(max);
+        return Decision::Freeze {
+            members,
+            reason: Reason::StaleResume {
+                resume: input.current_resume_step,
+                committed: c.step,
+                by_generation: by,
+            },
         };
     }
     if waiting.is_empty() {

@@ -143,6 +143,10 @@ pub struct CommitRecord {
     pub step: u64,
     pub committed_unix_ms: u64,
     pub node_id: String,
+    /// The generation whose workers saved the step; `None` when the reporter did not know
+    /// it (a step found in the bucket at start, or one the leader records at a freeze).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
 }
 
 /// The leader's notice that the current generation is broken (members lost) and cannot be

@@ -8,7 +8,7 @@
 //! |---|---|
 //! | `rdzv_served` | `endpoint` (the c10d rendezvous, `HOST:PORT`), `listen` (the client URL its etcd listens on), `pid` (etcd's): this node serves the rendezvous |
 //! | `joined` | `addr`, `rejoin` (`true`, only when the node joined again after a fence) |
-//! | `generation` | `generation`, `world_size`, `node_rank`, `rank_offset`, `members`, `lr_scale`, `lr`, `batch_size`, `global_batch`, `grad_accum_steps`, `resume_step`, `prev_last_step` (the highest step this node's workers reported before) |
+//! | `generation` | `generation`, `world_size`, `node_rank`, `rank_offset`, `members`, `lr_scale`, `lr`, `batch_size`, `global_batch`, `grad_accum_steps`, `resume_step`, `prev_last_step` (the highest step this node's workers reported before), `frozen_unix_ms` (when the leader froze it; etcd membership only) |
 //! | `workers_started` | `generation`, `restart_count` |
 //! | `first_step` | `generation`, `step` (the first progress report of a worker group) |
 //! | `checkpoint_committed` | `step`, `generation`, `bytes`, `by_this_node`, `store_ms` (this node's upload and commit time in the store) |
@@ -22,8 +22,8 @@
 //!
 //! [`Event`] is that table as a type: the agent writes an [`Event`], tools read a line back
 //! as a [`Record`]. Optional values (`lr`, `batch_size`, `global_batch`, `resume_step`,
-//! `prev_last_step`) are written as `null` when unknown; a test holds the table and the type
-//! to each other.
+//! `prev_last_step`) are written as `null` when unknown; `frozen_unix_ms` is left out then. A
+//! test holds the table and the type to each other.
 //!
 //! Writing never fails the agent: an unwritable file is reported once and then ignored.
 //! Each line is written with one `write` call on an `O_APPEND` file, so agents of several
@@ -79,6 +79,10 @@ pub enum Event {
         resume_step: Option<u64>,
         /// The highest step this node's workers reported before this generation.
         prev_last_step: Option<u64>,
+        /// When the leader froze the generation (its record's creation time); absent in
+        /// fixed membership.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        frozen_unix_ms: Option<u64>,
     },
     WorkersStarted {
         generation: u64,
@@ -265,6 +269,7 @@ mod tests {
                 grad_accum_steps: 1,
                 resume_step: Some(10),
                 prev_last_step: Some(13),
+                frozen_unix_ms: Some(1_796_000_000_000),
             },
             Event::WorkersStarted {
                 generation: 3,
@@ -455,6 +460,7 @@ mod tests {
             grad_accum_steps: 1,
             resume_step: None,
             prev_last_step: None,
+            frozen_unix_ms: None,
         })
         .unwrap();
         for k in [

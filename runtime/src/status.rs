@@ -201,12 +201,20 @@ fn render(v: &Value) -> String {
     }
     match v["latest_commit"].as_object() {
         Some(c) => {
-            let _ = writeln!(
-                s,
-                "committed  step {} (by {})",
-                c["step"],
-                c["node_id"].as_str().unwrap_or("?")
-            );
+            let _ = match c.get("generation").and_then(Value::as_u64) {
+                Some(g) => writeln!(
+                    s,
+                    "committed  step {} (by {}, generation {g})",
+                    c["step"],
+                    c["node_id"].as_str().unwrap_or("?")
+                ),
+                None => writeln!(
+                    s,
+                    "committed  step {} (by {})",
+                    c["step"],
+                    c["node_id"].as_str().unwrap_or("?")
+                ),
+            };
         }
         None => {
             let _ = writeln!(s, "committed  none recorded");

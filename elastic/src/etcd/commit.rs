@@ -47,9 +47,10 @@ impl Reporter {
         }
     }
 
-    /// Records `step` in `ctl/commit` unless a newer step is recorded already. Gives up after
-    /// one lease TTL plus [`COMMIT_GRACE_MS`], or at once when this node is fenced.
-    pub(super) async fn report(&self, step: u64) -> Result<()> {
+    /// Records `step`, saved by the workers of `generation` (when known), in `ctl/commit`
+    /// unless a newer step is recorded already. Gives up after one lease TTL plus
+    /// [`COMMIT_GRACE_MS`], or at once when this node is fenced.
+    pub(super) async fn report(&self, step: u64, generation: Option<u64>) -> Result<()> {
         let mut client = self.client.clone();
         let timeout_ms = self.cfg.connect.request_timeout_ms;
         let commit_key = self.keys.commit();
@@ -90,6 +91,7 @@ impl Reporter {
                     step,
                     committed_unix_ms: ops::now_unix_ms(),
                     node_id: self.cfg.node_id.clone(),
+                    generation,
                 };
                 let prev = current.as_ref().map_or(0, |(_, rev)| *rev);
                 if ops::write_commit(&mut client, &self.keys, &leader, prev, &record, timeout_ms)
@@ -110,14 +112,14 @@ impl Reporter {
 }
 
 /// The background task: records the newest step put into `newest` (the step plus one; 0 for
-/// none), one report at a time. Steps that arrive while a report is on its way are folded
+/// none; with the generation that saved it), one report at a time. Steps that arrive while a report is on its way are folded
 /// into the next report, so a slow etcd costs reports, never a queue. A report that fails is
 /// logged and tried again [`RETRY_PAUSE_MS`] later, at most [`RETRIES_MAX`] times per step
 /// (a newer step starts again); meanwhile the node's rendezvous knows the step already, and a
 /// generation this node freezes records it.
 pub(super) async fn report_in_background(
     reporter: Arc<Reporter>,
-    mut newest: watch::Receiver<u64>,
+    mut newest: watch::Receiver<(u64, Option<u64>)>,
     cancel: CancellationToken,
 ) {
     let mut recorded = 0u64;
@@ -129,14 +131,14 @@ pub(super) async fn report_in_background(
             r = newest.changed() => if r.is_err() { return },
             _ = tokio::time::sleep(Duration::from_millis(RETRY_PAUSE_MS)), if retry => {}
         }
-        let want = *newest.borrow_and_update();
+        let (want, generation) = *newest.borrow_and_update();
         if want <= recorded {
             continue;
         }
         let step = want - 1;
         tokio::select! {
             _ = cancel.cancelled() => return,
-            r = reporter.report(step) => match r {
+            r = reporter.report(step, generation) => match r {
                 Ok(()) => {
                     recorded = want;
                     failed = None;

@@ -49,8 +49,9 @@ pub struct Handle {
     /// The newest step [`Handle::note_commit`] was given, plus one (0: none).
     pub(super) known_commit: Arc<AtomicU64>,
     pub(super) reporter: Arc<Reporter>,
-    /// Feeds the background reporter: the newest step given to `record_commit`, plus one.
-    pub(super) newest_commit_tx: watch::Sender<u64>,
+    /// Feeds the background reporter: the newest step given to `record_commit`, plus one,
+    /// and the generation that saved it.
+    pub(super) newest_commit_tx: watch::Sender<(u64, Option<u64>)>,
     pub(super) tasks: Vec<JoinHandle<()>>,
     pub(super) span: tracing::Span,
 }
@@ -170,22 +171,25 @@ impl Handle {
     /// recorded. Used for `AfterCommit` admission and for the next generation's resume step.
     /// Notes it first ([`Handle::note_commit`]), so a report that fails is not forgotten.
     /// Waits for etcd (up to one lease TTL plus a grace); a loop that must not wait uses
-    /// [`Handle::record_commit`].
-    pub async fn report_commit(&self, step: u64) -> Result<()> {
+    /// [`Handle::record_commit`]. `generation` is the generation whose workers saved the step,
+    /// when known: the leader re-forms a generation frozen with an older resume step than a
+    /// step its predecessor committed afterwards.
+    pub async fn report_commit(&self, step: u64, generation: Option<u64>) -> Result<()> {
         self.note_commit(step);
-        self.reporter.report(step).await
+        self.reporter.report(step, generation).await
     }
 
     /// Notes `step` ([`Handle::note_commit`]) and has the handle's background task record it
-    /// in etcd, without waiting. Steps given while a report is on its way are folded into the
-    /// next one: only the newest is recorded.
-    pub fn record_commit(&self, step: u64) {
+    /// (with `generation`, as in [`Handle::report_commit`]) in etcd, without waiting. Steps
+    /// given while a report is on its way are folded into the next one: only the newest is
+    /// recorded.
+    pub fn record_commit(&self, step: u64, generation: Option<u64>) {
         self.note_commit(step);
         let want = step.saturating_add(1);
         self.newest_commit_tx.send_if_modified(|v| {
-            let newer = want > *v;
+            let newer = want > v.0;
             if newer {
-                *v = want;
+                *v = (want, generation);
             }
             newer
         });

@@ -156,7 +156,7 @@ impl Rendezvous {
                 fenced_rx: fenced_rx.clone(),
                 span: span.clone(),
             });
-            let (newest_commit_tx, newest_commit_rx) = watch::channel(0u64);
+            let (newest_commit_tx, newest_commit_rx) = watch::channel((0u64, None));
             let reporter_task = tokio::spawn(
                 commit::report_in_background(reporter.clone(), newest_commit_rx, cancel.clone())
                     .in_current_span(),

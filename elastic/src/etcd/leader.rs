@@ -106,7 +106,9 @@ impl Driver {
             last_commit: self.view.commit.as_ref().map(|c| CommitInfo {
                 step: c.step,
                 at: self.view.commit_rev as u64,
+                generation: c.generation,
             }),
+            current_resume_step: self.view.generation.as_ref().and_then(|g| g.resume_step),
             timing,
             current_number,
             restart_requested_for: self
@@ -136,6 +138,7 @@ impl Driver {
                     step,
                     committed_unix_ms: now_ms,
                     node_id: self.cfg.node_id.clone(),
+                    generation: None,
                 });
                 let generation =
                     self.build_generation(&members, now_ms, commit.as_ref().map(|c| c.step))?;

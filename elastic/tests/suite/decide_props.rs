@@ -65,6 +65,7 @@ fn random_case(rng: &mut StdRng) -> (CoreConfig, Input) {
         last_commit: rng.random_bool(0.5).then(|| CommitInfo {
             step: rng.random_range(0..1000),
             at: rng.random_range(0..100),
+            generation: rng.random_bool(0.5).then(|| rng.random_range(0..=6)),
         }),
         timing: Timing {
             changed_at_ms: rng.random_range(0..=now_ms),
@@ -72,6 +73,7 @@ fn random_case(rng: &mut StdRng) -> (CoreConfig, Input) {
         },
         current_number: 0,
         restart_requested_for: None,
+        current_resume_step: None,
     };
     let mut input = input;
     if input.current.is_some() {
@@ -83,11 +85,36 @@ fn random_case(rng: &mut StdRng) -> (CoreConfig, Input) {
             3 => Some(input.current_number + 1),
             _ => None,
         };
+        input.current_resume_step = rng.random_bool(0.7).then(|| rng.random_range(0..1000));
     }
     (cfg, input)
 }
 
 fn check(cfg: &CoreConfig, input: &Input, d: &Decision) -> Result<(), String> {
+    if let Reason::StaleResume {
+        resume, committed, ..
+    } = d.reason()
+    {
+        let c = input.last_commit.ok_or("a stale resume without a commit")?;
+        let by = c
+            .generation
+            .ok_or("a stale resume for a commit of no known generation")?;
+        if by >= input.current_number || resume.is_some_and(|r| r >= *committed) {
+            return Err(format!(
+                "stale resume for a commit of generation {by} (current {}) at step {committed} (resume {resume:?})",
+                input.current_number
+            ));
+        }
+        let Decision::Freeze { members, .. } = d else {
+            return Err("a stale resume that is not a freeze".into());
+        };
+        // Nobody is dropped: the same generation, resuming from a newer step.
+        for id in input.current.iter().flatten() {
+            if !members.contains(id) {
+                return Err(format!("stale resume dropped the member {id}"));
+            }
+        }
+    }
     let restart_current =
         input.current.is_some() && input.restart_requested_for == Some(input.current_number);
     if matches!(d.reason(), Reason::RestartRequested { .. }) {
@@ -148,7 +175,8 @@ fn check(cfg: &CoreConfig, input: &Input, d: &Decision) -> Result<(), String> {
                 if !newcomers.is_sorted() {
                     return Err("newcomers not in join order".into());
                 }
-                if members == cur && !restart_current {
+                let stale = matches!(d.reason(), Reason::StaleResume { .. });
+                if members == cur && !restart_current && !stale {
                     return Err("froze the same generation again".into());
                 }
             }

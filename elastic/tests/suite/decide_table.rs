@@ -33,6 +33,12 @@ struct Case {
     /// The newest generation a member asked to restart.
     #[serde(default)]
     restart_for: Option<u64>,
+    /// The generation that saved the newest commit, when known.
+    #[serde(default)]
+    commit_generation: Option<u64>,
+    /// The step the current generation resumes from.
+    #[serde(default)]
+    resume: Option<u64>,
     expect: Decision,
 }
 
@@ -70,13 +76,18 @@ fn decision_table() {
                 })
                 .collect(),
             current: case.current.clone(),
-            last_commit: case.commit.map(|(step, at)| CommitInfo { step, at }),
+            last_commit: case.commit.map(|(step, at)| CommitInfo {
+                step,
+                at,
+                generation: case.commit_generation,
+            }),
             timing: Timing {
                 changed_at_ms: case.changed_at,
                 below_min_since_ms: case.below_min_since,
             },
             current_number: case.number,
             restart_requested_for: case.restart_for,
+            current_resume_step: case.resume,
         };
         let got = decide(&cfg, &input);
         if got != case.expect {
@@ -113,6 +124,7 @@ fn every_reason_has_a_message() {
         timing: Timing::default(),
         current_number: 0,
         restart_requested_for: None,
+        current_resume_step: None,
     };
     let d = decide(&cfg, &input);
     assert!(matches!(d, Decision::Fail { .. }), "{d:?}");

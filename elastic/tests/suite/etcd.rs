@@ -651,6 +651,43 @@ async fn joiner(ep: &str, job: &str, node: &str, policy: JoinPolicy) -> Handle {
     Rendezvous::join(c).await.unwrap()
 }
 
+/// A step the previous generation's commit pipeline finishes after the next generation was
+/// frozen (its resume step named an older commit) re-forms that generation at once with the
+/// same members, resuming from the newer step; a commit of the current generation does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_of_the_previous_generation_newer_than_the_resume_step_reforms_the_generation() {
+    let _g = serial().await;
+    let etcd = services::etcd().unwrap();
+    let ep = etcd.endpoint();
+    let p = JoinPolicy::Immediate;
+    let mut a = one_member_job(&ep, "stale", p).await;
+    a.report_commit(5, Some(1)).await.unwrap();
+    let mut b = joiner(&ep, "stale", "b", p).await;
+    let g2 = next(&mut a, 5_000).await;
+    assert_eq!(ids(&g2), ["a", "b"]);
+    assert_eq!(g2.resume_step, Some(5));
+    assert_eq!(next(&mut b, 5_000).await, g2);
+
+    // Generation 1's pipeline lands step 10 after generation 2 was frozen from step 5.
+    a.report_commit(10, Some(g2.number - 1)).await.unwrap();
+    let g3 = next(&mut a, 5_000).await;
+    assert_eq!(g3.number, g2.number + 1);
+    assert_eq!(ids(&g3), ["a", "b"], "the same members, in the same order");
+    assert_eq!(g3.resume_step, Some(10));
+    assert_eq!(next(&mut b, 5_000).await, g3);
+
+    // A commit of the generation that runs is what it trains: no new generation.
+    b.report_commit(15, Some(g3.number)).await.unwrap();
+    assert!(
+        timeout(Duration::from_millis(1_500), a.next_generation())
+            .await
+            .is_err(),
+        "re-formed for a commit of the current generation"
+    );
+    a.leave().await.unwrap();
+    b.leave().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scale_up_waiters_are_admitted_by_each_join_policy() {
     let _g = serial().await;
@@ -672,7 +709,7 @@ async fn scale_up_waiters_are_admitted_by_each_join_policy() {
     // AfterCommit: held back until a commit after the join; the commit is the resume step.
     let p = JoinPolicy::AfterCommit;
     let mut a = one_member_job(&ep, "commit", p).await;
-    a.report_commit(5).await.unwrap();
+    a.report_commit(5, None).await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     let mut b = joiner(&ep, "commit", "b", p).await;
     assert!(
@@ -681,7 +718,7 @@ async fn scale_up_waiters_are_admitted_by_each_join_policy() {
             .is_err(),
         "admitted without a commit after joining"
     );
-    a.report_commit(4).await.unwrap(); // older: ignored
+    a.report_commit(4, None).await.unwrap(); // older: ignored
     // What etcd holds, and what a's view (its watch, bounded wait) shows.
     let st = status(&Connect::new([ep.as_str()]), "commit")
         .await
@@ -691,7 +728,7 @@ async fn scale_up_waiters_are_admitted_by_each_join_policy() {
         s.latest_commit.as_ref().map(|c| c.step) == Some(5)
     })
     .await;
-    a.report_commit(10).await.unwrap();
+    a.report_commit(10, None).await.unwrap();
     let g = next(&mut a, 5_000).await;
     assert_eq!(ids(&g), ["a", "b"]);
     assert_eq!(g.resume_step, Some(10));
@@ -773,7 +810,7 @@ async fn next_generation_resumes_from_a_commit_the_leader_saw_but_etcd_missed() 
     // a's view was waited on; the leader may be b, whose view is read here: bounded.
     let g1 = next(&mut leader, 5_000).await;
     assert_eq!(g1.members.len(), 2);
-    leader.report_commit(30).await.unwrap();
+    leader.report_commit(30, None).await.unwrap();
     // Both views: the leader's is asserted below, and its watch may deliver the commit after
     // the other member's does.
     for h in [&other, &leader] {
@@ -1336,7 +1373,7 @@ async fn restart_request_restarts_every_member_in_one_new_generation() {
     let g1 = next(&mut a, 15_000).await;
     assert_eq!(next(&mut b, 5_000).await, g1);
     assert_eq!(ids(&g1), ["a", "b"]);
-    a.report_commit(40).await.unwrap();
+    a.report_commit(40, None).await.unwrap();
     // Both views: either member may lead, and the leader's view gives the restart generation
     // its resume step (asserted below).
     for h in [&a, &b] {
@@ -1628,7 +1665,7 @@ async fn record_commit_returns_at_once_while_etcd_is_stalled_and_records_the_new
     c.lease_ttl_ms = 30_000;
     let mut a = Rendezvous::join(c).await.unwrap();
     let _ = next(&mut a, 10_000).await;
-    a.record_commit(5);
+    a.record_commit(5, None);
     let read = || async {
         status(&Connect::new([ep.as_str()]), job)
             .await
@@ -1648,7 +1685,7 @@ async fn record_commit_returns_at_once_while_etcd_is_stalled_and_records_the_new
     proxy.paused.send_replace(true);
     let t0 = Instant::now();
     for step in [10, 15, 20] {
-        a.record_commit(step);
+        a.record_commit(step, None);
     }
     assert!(
         t0.elapsed() < Duration::from_millis(100),

@@ -252,6 +252,7 @@ fn valid_records() -> Vec<Vec<u8>> {
             step: 1200,
             committed_unix_ms: 1,
             node_id: "node-7".into(),
+            generation: Some(4),
         }),
         record::encode(&WaitingRecord {
             version: RECORD_VERSION,

@@ -84,9 +84,9 @@ impl Agent {
                 };
                 let flushed = flush(committer, left(self.node.grace)).await;
                 if let Membership::Etcd(m) = &mut self.membership
-                    && let Some(step) = committer.latest()
+                    && let Some(point) = committer.latest_point()
                 {
-                    m.report(step).await;
+                    m.report(point).await;
                 }
                 let step = committer.latest();
                 let _ = leave(&mut self.membership).await;
@@ -109,8 +109,8 @@ impl Agent {
                 tracing::info!("workers finished");
                 let flushed = flush(committer, Duration::from_millis(FLUSH_TIMEOUT_MS)).await;
                 if let Membership::Etcd(m) = &mut self.membership {
-                    if let Some(step) = committer.latest() {
-                        m.report(step).await;
+                    if let Some(point) = committer.latest_point() {
+                        m.report(point).await;
                     }
                     if let Some(h) = &m.handle
                         && let Err(e) = h.finish(true).await
@@ -133,9 +133,9 @@ impl Agent {
                 }
                 let _ = flush(committer, self.node.grace).await;
                 if let Membership::Etcd(m) = &mut self.membership
-                    && let Some(step) = committer.latest()
+                    && let Some(point) = committer.latest_point()
                 {
-                    m.report(step).await;
+                    m.report(point).await;
                 }
                 tracing::info!(
                     step = committer.latest(),

@@ -40,6 +40,14 @@ pub(super) const BETWEEN_GENERATIONS_FLUSH_MS: u64 = 3_000;
 /// Bound on writing a given-up checkpoint's marker to the store.
 pub(super) const GIVE_UP_DEADLINE_MS: u64 = 30_000;
 
+/// A committed step and the generation whose workers saved it (`None`: a step found in the
+/// bucket at start).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct CommitPoint {
+    pub(super) step: u64,
+    pub(super) generation: Option<u64>,
+}
+
 /// The committer's side of the agent: a queue and the newest committed step.
 pub(super) struct Committer {
     pub(super) tx: mpsc::Sender<(StepToCommit, CancellationToken)>,
@@ -48,7 +56,7 @@ pub(super) struct Committer {
     pub(super) pending_tx: Arc<watch::Sender<usize>>,
     /// Cancels the commits of the current era (between two generations).
     pub(super) era: CancellationToken,
-    pub(super) committed: watch::Receiver<Option<u64>>,
+    pub(super) committed: watch::Receiver<Option<CommitPoint>>,
     pub(super) task: tokio::task::JoinHandle<bool>,
 }
 
@@ -57,7 +65,10 @@ impl Committer {
         let (tx, rx) = mpsc::channel(COMMIT_QUEUE_MAX);
         let (pending_tx, pending) = watch::channel(0usize);
         let pending_tx = Arc::new(pending_tx);
-        let (committed_tx, committed) = watch::channel(latest);
+        let (committed_tx, committed) = watch::channel(latest.map(|step| CommitPoint {
+            step,
+            generation: None,
+        }));
         let task = tokio::spawn(
             commit_loop(
                 node.sink.clone(),
@@ -153,6 +164,11 @@ impl Committer {
     }
 
     pub(super) fn latest(&self) -> Option<u64> {
+        self.committed.borrow().map(|c| c.step)
+    }
+
+    /// [`Committer::latest`], with the generation that saved it.
+    pub(super) fn latest_point(&self) -> Option<CommitPoint> {
         *self.committed.borrow()
     }
 
@@ -316,7 +332,7 @@ pub(super) async fn commit_loop(
     state: Arc<AgentState>,
     staging: PathBuf,
     events: Arc<Events>,
-    committed: watch::Sender<Option<u64>>,
+    committed: watch::Sender<Option<CommitPoint>>,
     pending: Arc<watch::Sender<usize>>,
 ) -> bool {
     let mut ok = true;
@@ -347,8 +363,11 @@ pub(super) async fn commit_loop(
                     store_ms: done.upload_ms + done.commit_ms,
                 });
                 committed.send_modify(|c| {
-                    if c.is_none_or(|c| c < step) {
-                        *c = Some(step);
+                    if c.is_none_or(|c| c.step < step) {
+                        *c = Some(CommitPoint {
+                            step,
+                            generation: Some(generation),
+                        });
                     }
                 });
             }

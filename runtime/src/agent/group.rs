@@ -142,11 +142,11 @@ impl Agent {
                     }
                 }
                 Ok(()) = committed_rx.changed(), if matches!(*membership, Membership::Etcd(_)) => {
-                    let latest = committer.latest();
+                    let latest = committer.latest_point();
                     // Never awaited here: with etcd unreachable a report takes up to its whole
                     // budget, and this loop must go on taking parts, signals and the fence.
-                    if let (Membership::Etcd(m), Some(step)) = (&mut *membership, latest) {
-                        m.report_soon(step);
+                    if let (Membership::Etcd(m), Some(point)) = (&mut *membership, latest) {
+                        m.report_soon(point);
                     }
                 }
                 Ok(()) = async { snap_rx.as_mut().expect("guarded").changed().await }, if snap_rx.is_some() && stop_why.is_none() => {

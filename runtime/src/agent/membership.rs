@@ -12,7 +12,7 @@ use elastic::{Generation, Handle, Rendezvous, RendezvousConfig, Snapshot};
 use tokio::sync::{mpsc, watch};
 
 use super::Node;
-use super::committer::Committer;
+use super::committer::{CommitPoint, Committer};
 use super::config::explain_etcd_error;
 use crate::events::{DrainReason, Event, Events};
 use crate::notice;
@@ -106,13 +106,14 @@ impl EtcdMember {
     /// Reports `step` as committed, once, best-effort (the commit itself is durable already).
     /// A report that fails is still known to this node's rendezvous: should it lead the next
     /// generation, that generation records the commit and resumes from it.
-    pub(super) async fn report(&mut self, step: u64) {
+    pub(super) async fn report(&mut self, point: CommitPoint) {
+        let step = point.step;
         self.committed = self.committed.max(Some(step));
         if self.reported.is_some_and(|r| r >= step) {
             return;
         }
         if let Some(h) = &self.handle {
-            match h.report_commit(step).await {
+            match h.report_commit(step, point.generation).await {
                 Ok(()) => self.reported = Some(step),
                 Err(e) => tracing::warn!(step, error = %e, "cannot record the commit in etcd"),
             }
@@ -122,13 +123,43 @@ impl EtcdMember {
     /// As [`EtcdMember::report`], without waiting: the handle's background task records the
     /// step in etcd. For loops that must stay responsive (signals, fences, the next part)
     /// while etcd is slow or unreachable from this node.
-    pub(super) fn report_soon(&mut self, step: u64) {
+    pub(super) fn report_soon(&mut self, point: CommitPoint) {
+        let step = point.step;
         self.committed = self.committed.max(Some(step));
         if self.reported.is_some_and(|r| r >= step) {
             return;
         }
         if let Some(h) = &self.handle {
-            h.record_commit(step);
+            h.record_commit(step, point.generation);
+        }
+    }
+
+    /// Whether a generation newer than `generation` is frozen, or comes within `wait_ms`
+    /// while etcd records a commit newer than `step` (the leader re-forms a generation whose
+    /// resume step the previous generation's pipeline overtook). Used when `step` no longer
+    /// restores: retention removed it after those newer commits.
+    pub(super) async fn superseded(&self, generation: u64, step: u64, wait_ms: u64) -> bool {
+        let Some(h) = &self.handle else { return false };
+        let mut rx = h.subscribe();
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
+        loop {
+            {
+                let snap = rx.borrow_and_update();
+                if snap
+                    .generation
+                    .as_ref()
+                    .is_some_and(|g| g.number > generation)
+                {
+                    return true;
+                }
+                if snap.latest_commit.as_ref().is_none_or(|c| c.step <= step) {
+                    return false;
+                }
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return false,
+            }
         }
     }
 
@@ -179,8 +210,8 @@ pub(super) async fn wait_generation(
                 return Ok(Next::Exit(code));
             }
             Ok(()) = committed.changed() => {
-                if let Some(step) = *committed.borrow() {
-                    m.report_soon(step);
+                if let Some(point) = *committed.borrow() {
+                    m.report_soon(point);
                 }
                 continue;
             }

@@ -111,6 +111,19 @@ const RESTORE_ATTEMPTS_MAX: u32 = 6;
 /// Pause after the first failed restore; doubles per attempt up to the max (31 s in all).
 const RESTORE_BACKOFF_INITIAL_MS: u64 = 1_000;
 const RESTORE_BACKOFF_MAX_MS: u64 = 8_000;
+/// How long a node whose resume step no longer restores, while etcd records a newer commit,
+/// waits for the generation that resumes from that commit before it gives up.
+const SUPERSEDED_WAIT_MS: u64 = 10_000;
+
+/// What restoring a generation's resume step ended in.
+enum Resumed {
+    /// Restored (or nothing to restore): run the generation.
+    Run(GenerationView),
+    /// The node leaves with this exit code (a signal came meanwhile).
+    Exit(u8),
+    /// The step is gone and a newer generation is frozen: go to it.
+    Superseded,
+}
 
 /// Runs the agent to completion and returns the process exit code.
 pub async fn run(cli: Cli) -> Result<u8> {
@@ -226,8 +239,9 @@ impl Agent {
             let span = tracing::info_span!("generation", generation = view.generation);
             let flow = async {
                 let view = match self.resume(view, generation.as_deref()).await? {
-                    ControlFlow::Continue(v) => v,
-                    ControlFlow::Break(code) => return Ok(ControlFlow::Break(code)),
+                    Resumed::Run(v) => v,
+                    Resumed::Exit(code) => return Ok(ControlFlow::Break(code)),
+                    Resumed::Superseded => return Ok(ControlFlow::Continue(())),
                 };
                 emit_generation(
                     &self.node,
@@ -269,13 +283,14 @@ impl Agent {
     }
 
     /// Restores the step `view`'s generation resumes from (resharded for its world), falling
-    /// back past steps that do not verify and retrying trouble that may pass. Breaks with
-    /// the exit code when a signal comes meanwhile (the node leaves).
+    /// back past steps that do not verify and retrying trouble that may pass. Ends with the
+    /// exit code when a signal comes meanwhile (the node leaves), and moves on when the step
+    /// is gone because a newer generation superseded this one.
     async fn resume(
         &mut self,
         mut view: GenerationView,
         generation: Option<&Generation>,
-    ) -> Result<ControlFlow<u8, GenerationView>> {
+    ) -> Result<Resumed> {
         let node = &self.node;
         let resume_step = match &self.membership {
             Membership::Fixed(_) => self.committer.latest(),
@@ -292,7 +307,7 @@ impl Agent {
                     r = node.sink.restore_or_older(step, ranks.clone(), view.world_size, &self.cancel) => r,
                     Some(sig) = self.signals.recv() => {
                         tracing::warn!(signal = sig, "signal while restoring; leaving");
-                        return Ok(ControlFlow::Break(leave(&mut self.membership).await));
+                        return Ok(Resumed::Exit(leave(&mut self.membership).await));
                     }
                 };
                 match r {
@@ -312,13 +327,22 @@ impl Agent {
                             () = tokio::time::sleep(Duration::from_millis(backoff_ms)) => {}
                             Some(sig) = self.signals.recv() => {
                                 tracing::warn!(signal = sig, "signal while restoring; leaving");
-                                return Ok(ControlFlow::Break(leave(&mut self.membership).await));
+                                return Ok(Resumed::Exit(leave(&mut self.membership).await));
                             }
                         }
                         attempt += 1;
                         backoff_ms = (backoff_ms * 2).min(RESTORE_BACKOFF_MAX_MS);
                     }
                     Err(e) => {
+                        // Retention removed the step after newer commits of the previous
+                        // generation; the leader re-forms this generation to resume from them.
+                        if let Membership::Etcd(m) = &self.membership
+                            && m.superseded(view.generation, step, SUPERSEDED_WAIT_MS)
+                                .await
+                        {
+                            tracing::warn!(step, error = %e, "the resume step does not restore and a newer generation is frozen; moving to it");
+                            return Ok(Resumed::Superseded);
+                        }
                         return Err(e).with_context(|| {
                             format!(
                                 "restore step {step} from {} ({attempt} attempts)",
@@ -335,7 +359,7 @@ impl Agent {
             .metrics
             .generations_total
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(ControlFlow::Continue(view))
+        Ok(Resumed::Run(view))
     }
 }
 
@@ -376,5 +400,6 @@ fn emit_generation(
         grad_accum_steps: s.grad_accum_steps,
         resume_step: view.resume.as_ref().map(|r| r.step),
         prev_last_step,
+        frozen_unix_ms: g.map(|g| g.created_unix_ms),
     });
 }

@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use checkpoint::CancellationToken;
 use tokio::sync::{mpsc, watch};
 
-use super::committer::Committer;
+use super::committer::{CommitPoint, Committer};
 use super::config::{
     Mode, c10d_config, free_port, rendezvous_config, scaling_config, usage, worker_argv,
 };
@@ -224,7 +224,11 @@ pub(super) async fn start(
             fenced_metrics(&state, false);
             m.bucket_latest = bucket_latest;
             if let Some(step) = bucket_latest {
-                m.report(step).await;
+                m.report(CommitPoint {
+                    step,
+                    generation: None,
+                })
+                .await;
             }
             Membership::Etcd(Box::new(m))
         }

@@ -575,6 +575,12 @@ fn status_shows_members_generation_and_commits() {
     assert_eq!(v["members"].as_array().unwrap().len(), 2, "{v}");
     assert_eq!(v["generation"]["world_size"], 4, "{v}");
     assert!(v["latest_commit"]["step"].as_u64().is_some(), "{v}");
+    // The commit names the generation that saved it (the leader re-forms a generation that
+    // a newer commit of its predecessor overtook).
+    assert_eq!(
+        v["latest_commit"]["generation"], v["generation"]["number"],
+        "{v}"
+    );
     assert!(
         !v["checkpoints"]["steps"].as_array().unwrap().is_empty(),
         "{v}"
@@ -591,6 +597,7 @@ fn status_shows_members_generation_and_commits() {
         .unwrap();
     let text = String::from_utf8_lossy(&text.stdout).into_owned();
     assert!(text.contains("world 4"), "{text}");
+    assert!(text.contains(", generation 1)"), "{text}");
     for ag in [a, b] {
         signal(&ag.child, libc::SIGTERM);
         let (code, out, err) = ag.finish(LONG);
