@@ -107,6 +107,7 @@ pub struct GenerationSeen<'a> {
     pub grad_accum_steps: u64,
     pub resume_step: Option<u64>,
     pub prev_last_step: Option<u64>,
+    pub frozen_unix_ms: Option<u64>,
 }
 
 /// The `generation` records, in log order.
@@ -121,6 +122,7 @@ pub fn generations(events: &[Record]) -> impl Iterator<Item = GenerationSeen<'_>
             grad_accum_steps,
             resume_step,
             prev_last_step,
+            frozen_unix_ms,
             ..
         } => Some(GenerationSeen {
             record,
@@ -132,6 +134,7 @@ pub fn generations(events: &[Record]) -> impl Iterator<Item = GenerationSeen<'_>
             grad_accum_steps: *grad_accum_steps,
             resume_step: *resume_step,
             prev_last_step: *prev_last_step,
+            frozen_unix_ms: *frozen_unix_ms,
         }),
         _ => None,
     })

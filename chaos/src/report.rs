@@ -330,6 +330,7 @@ mod tests {
                 grad_accum_steps: 1,
                 resume_step: None,
                 prev_last_step: None,
+                frozen_unix_ms: None,
             },
         )
     }

@@ -49,8 +49,27 @@ pub fn effects(events: &[Record], fired: &[Fired]) -> Vec<FaultEffect> {
             let (resume_step, lost_steps, recovery_ms) = match next {
                 Some(n) => {
                     let gens: Vec<_> = generations(events).filter(|g| g.generation == n).collect();
-                    let resume = gens.iter().find_map(|g| g.resume_step);
-                    let reached = gens.iter().filter_map(|g| g.prev_last_step).max();
+                    // What training resumed from: `n`'s resume step, or, when `n` was
+                    // superseded before it trained (re-formed to resume from a newer commit
+                    // of its predecessor, or broken by another fault), that of the first
+                    // later generation that trained.
+                    let trained = first_steps(events)
+                        .filter(|(e, g, _)| e.ts_ms >= t && *g >= n)
+                        .map(|(_, g, _)| g)
+                        .min()
+                        .unwrap_or(n);
+                    let resumed: Vec<_> = generations(events)
+                        .filter(|g| g.generation == trained)
+                        .collect();
+                    let resume = resumed
+                        .iter()
+                        .find_map(|g| g.resume_step)
+                        .or_else(|| gens.iter().find_map(|g| g.resume_step));
+                    let reached = resumed
+                        .iter()
+                        .chain(gens.iter())
+                        .filter_map(|g| g.prev_last_step)
+                        .max();
                     // `prev_last_step` is the newest step any generation reported. When the
                     // generation the fault hit never trained (it was still starting), those
                     // steps were lost by the fault that ended an earlier one, not by this.
@@ -161,6 +180,15 @@ fn group_failed_at(events: &[Record], fired: &[Fired], t: u64) -> bool {
         })
 }
 
+/// Whether a generation newer than the one current at `t` had been frozen by then: the
+/// group running at `t` was already stopping for it (to admit a node, say) and restarts
+/// from the newest commit, so a drain then has nothing left to save; it loses what that
+/// generation change loses.
+fn superseded_at(events: &[Record], t: u64) -> bool {
+    let g = generation_at(events, t);
+    generations(events).any(|s| s.generation > g && s.frozen_unix_ms.is_some_and(|f| f <= t))
+}
+
 /// Whether a store fault was active at `t` or ended less than the backlog window before it.
 fn store_trouble_before(fired: &[Fired], t: u64) -> bool {
     fired.iter().any(|f| {
@@ -213,7 +241,10 @@ fn steps_in_store_time(s: &Scenario, events: &[Record], t: u64) -> u64 {
 ///    loses at most one interval plus the steps trained while the store took the checkpoint
 ///    before it ([`steps_in_store_time`]), never more than the pipeline's depth. A
 ///    preemption's bound of 0 is not widened by any of these: its drained step commits
-///    regardless.
+///    regardless; it gets the crash's bound only when nothing was left to save (the node
+///    fenced or cut off, a staging filesystem full, the group broken by a crash or already
+///    stopping for a newer generation). Steps lost are counted from the step training
+///    resumed from, in the first generation after the fault that trained.
 pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]) -> Check {
     let mut bad = Vec::new();
     for e in effects(events, fired) {
@@ -242,12 +273,14 @@ pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]
             // A node already fenced (cut off from etcd, its workers stopped) when the
             // preemption came has nothing left to save: it lost what a partition loses.
             // Nor can a drain while any node's staging filesystem is full: the agreed step
-            // lacks that node's part. Nor a drain of a group that a crash already broke.
+            // lacks that node's part. Nor a drain of a group that a crash already broke, or
+            // that a newer generation already stopped.
             k if k.is_preemption()
                 && (fenced_at(events, e.node, e.at_unix_ms)
                     || cut_off_at(fired, e.node, e.at_unix_ms)
                     || staging_full_anywhere_at(fired, e.at_unix_ms)
-                    || group_failed_at(events, fired, e.at_unix_ms)) =>
+                    || group_failed_at(events, fired, e.at_unix_ms)
+                    || superseded_at(events, e.at_unix_ms)) =>
             {
                 Some(crash_bound)
             }
@@ -310,7 +343,8 @@ pub(super) fn faults_took_effect(s: &Scenario, events: &[Record], fired: &[Fired
 mod tests {
     use super::super::check;
     use super::super::tests::{
-        drain, events, fenced, fired, first_step, generation, joined, outcome, rec, scenario,
+        committed, drain, events, fenced, fired, first_step, generation, joined, outcome, rec,
+        scenario,
     };
     use super::*;
     use crate::events::DrainReason;
@@ -470,6 +504,70 @@ mod tests {
         let e = effects(&later, &sigterm_at(10_000));
         assert_eq!(e[0].lost_steps, Some(3), "{e:?}");
         assert!(!lost_work_check(&s, &later, &sigterm_at(10_000)).ok);
+    }
+
+    fn set_frozen(r: &mut Record, at: u64) {
+        let Event::Generation { frozen_unix_ms, .. } = &mut r.event else {
+            panic!("not a generation: {r:?}")
+        };
+        *frozen_unix_ms = Some(at);
+    }
+
+    /// Generation 1 trains to 13 with 10 committed; generation 2 (frozen at 5000 ms to admit
+    /// a node) names the older commit 5 and never trains: it is re-formed as generation 3
+    /// (frozen at 6800 ms), which resumes from 10.
+    fn superseded_events() -> Vec<Record> {
+        let mut g2 = generation(6000, "b", 2, 3, Some(5), None);
+        set_frozen(&mut g2, 5000);
+        let mut g3 = generation(7000, "a", 3, 3, Some(10), Some(13));
+        set_frozen(&mut g3, 6800);
+        vec![
+            generation(1000, "a", 1, 2, None, None),
+            first_step(2000, "a", 1, 1),
+            committed(3000, "a", 10, 1),
+            g2,
+            g3,
+            first_step(8000, "a", 3, 11),
+        ]
+    }
+
+    #[test]
+    fn a_generation_superseded_before_it_trained_costs_what_the_one_that_trained_resumed_from() {
+        let evs = superseded_events();
+        let mut f = fired(FaultKind::Join);
+        f[0].at_unix_ms = 4500;
+        let e = effects(&evs, &f);
+        assert_eq!(e[0].next_generation, Some(2));
+        assert_eq!(e[0].resume_step, Some(10), "{e:?}");
+        assert_eq!(e[0].lost_steps, Some(3), "11..13, not 6..13: {e:?}");
+    }
+
+    #[test]
+    fn a_preemption_after_a_newer_generation_was_frozen_may_lose_what_that_change_loses() {
+        let s = scenario();
+        let evs = superseded_events();
+        let sigterm_at = |t: u64| {
+            let mut f = fired(FaultKind::SigtermAgent);
+            f[0].at_unix_ms = t;
+            f
+        };
+        assert_eq!(effects(&evs, &sigterm_at(5100))[0].lost_steps, Some(3));
+        assert!(
+            lost_work_check(&s, &evs, &sigterm_at(5100)).ok,
+            "the workers were stopping for generation 2 already"
+        );
+        assert!(
+            !lost_work_check(&s, &evs, &sigterm_at(4900)).ok,
+            "before the freeze the drain could save: 3 > 0"
+        );
+        // Without the freeze time (fixed membership) nothing excuses it.
+        let mut unknown = evs.clone();
+        for r in &mut unknown {
+            if let Event::Generation { frozen_unix_ms, .. } = &mut r.event {
+                *frozen_unix_ms = None;
+            }
+        }
+        assert!(!lost_work_check(&s, &unknown, &sigterm_at(5100)).ok);
     }
 
     fn set_resume_step(r: &mut Record, step: u64) {

@@ -162,6 +162,7 @@ mod tests {
                 grad_accum_steps: 1,
                 resume_step: resume,
                 prev_last_step: prev,
+                frozen_unix_ms: None,
             },
         )
     }
