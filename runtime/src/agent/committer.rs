@@ -125,18 +125,37 @@ impl Committer {
 
     /// Queues a step, waiting for room until `deadline` (after a worker group ended, when the
     /// loop has nothing else to serve); a step that still finds no room is dropped with a
-    /// warning.
-    pub(super) async fn submit_until(&self, step: StepToCommit, deadline: Instant) {
+    /// warning and given back, for the caller to give up in the store.
+    pub(super) async fn submit_until(
+        &self,
+        step: StepToCommit,
+        deadline: Instant,
+    ) -> Result<(), StepToCommit> {
         let s = step.step;
         self.pending_tx.send_modify(|n| *n += 1);
-        let sent =
-            tokio::time::timeout_at(deadline.into(), self.tx.send((step, self.era.clone()))).await;
-        if !matches!(sent, Ok(Ok(()))) {
-            self.pending_tx.send_modify(|n| *n = n.saturating_sub(1));
-            tracing::warn!(
-                step = s,
-                "no room in the checkpoint queue before the deadline; this step is not committed"
-            );
+        let permit = tokio::time::timeout_at(deadline.into(), self.tx.reserve()).await;
+        match permit {
+            Ok(Ok(permit)) => {
+                permit.send((step, self.era.clone()));
+                Ok(())
+            }
+            Ok(Err(_)) => {
+                // The committer is gone (the agent is ending): nothing can commit it.
+                self.pending_tx.send_modify(|n| *n = n.saturating_sub(1));
+                tracing::warn!(
+                    step = s,
+                    "checkpoint queue closed; this step is not committed"
+                );
+                Ok(())
+            }
+            Err(_) => {
+                self.pending_tx.send_modify(|n| *n = n.saturating_sub(1));
+                tracing::warn!(
+                    step = s,
+                    "no room in the checkpoint queue before the deadline; this step is not committed"
+                );
+                Err(step)
+            }
         }
     }
 

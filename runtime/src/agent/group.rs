@@ -10,7 +10,7 @@ use elastic::Generation;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
-use super::committer::{BETWEEN_GENERATIONS_FLUSH_MS, tracker_complete};
+use super::committer::{BETWEEN_GENERATIONS_FLUSH_MS, give_up_step, tracker_complete};
 use super::decide::{DrainOf, StopWhy, must_stop};
 use super::drain::start_drain;
 use super::membership::{Membership, fenced_metrics};
@@ -189,22 +189,34 @@ impl Agent {
         drop(cmd_tx);
         *last_step_reached = state.last_step().or(*last_step_reached);
         // Parts reported just before the workers exited are already queued: hand them over,
-        // waiting for queue room as long as this ending allows (a drain's last checkpoint is
-        // the one that matters most).
+        // waiting for queue room as long as this ending allows. A drain's last checkpoint is
+        // the one that matters most, and it needs every node's part: a peer of the draining
+        // node waits as long as the draining node does (the grace), not the short wait
+        // between generations, or a slow store behind its queue loses the drained step.
         let handover_limit = match (&*drain, &outcome) {
-            (Some(d), _) if d.of == DrainOf::Local => {
-                node.grace.saturating_sub(d.started.elapsed())
-            }
+            (Some(d), _) => node.grace.saturating_sub(d.started.elapsed()),
             (_, Outcome::Succeeded) => Duration::from_millis(FLUSH_TIMEOUT_MS),
             _ => Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS),
         };
         let handover_deadline = Instant::now() + handover_limit;
-        if let Some(step) = held.take() {
-            committer.submit_until(step, handover_deadline).await;
-        }
+        let mut pending: Vec<StepToCommit> = held.take().into_iter().collect();
         while let Ok(r) = parts_rx.try_recv() {
-            if let Some(step) = tracker_complete(node, view, tracker, r) {
-                committer.submit_until(step, handover_deadline).await;
+            pending.extend(tracker_complete(node, view, tracker, r));
+        }
+        for step in pending {
+            if let Err(dropped) = committer.submit_until(step, handover_deadline).await {
+                // Peers would wait for this node's parts until their commit deadline,
+                // holding their queues (and a drained step behind them): say in the store
+                // that they never come.
+                for p in &dropped.parts {
+                    give_up_step(
+                        node,
+                        dropped.generation,
+                        p.rank,
+                        dropped.step,
+                        "no room in the checkpoint queue before the deadline".into(),
+                    );
+                }
             }
         }
         Ok(GroupEnd { outcome, stop_why })
