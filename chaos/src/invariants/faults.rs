@@ -3,7 +3,7 @@
 
 use super::{Check, FaultEffect, Fired};
 use crate::events::{Event, Record, first_steps, generations};
-use crate::scenario::{FaultKind, Scenario};
+use crate::scenario::{FaultKind, Network, Scenario};
 
 /// Checkpoint intervals a node's training may run ahead of its newest commit: the step being
 /// committed, one queued, one held by the agent loop, one in the socket channel, and the one a
@@ -148,6 +148,22 @@ fn cut_off_at(fired: &[Fired], node: usize, t: u64) -> bool {
     })
 }
 
+/// Whether a node other than `node` was partitioned at some time in `[from, to]` with every
+/// node in a network namespace (so the partition cuts its link to its peers, not only to
+/// etcd): while the preempted node's drain got going, a peer its workers cannot reach cannot
+/// agree on the drained step nor save its part of it. On the loopback a partition cuts etcd
+/// and the store only, and the workers still agree.
+fn peer_cut_off_during(s: &Scenario, fired: &[Fired], node: usize, from: u64, to: u64) -> bool {
+    s.network == Network::Netns
+        && fired.iter().any(|f| {
+            f.skipped.is_none()
+                && f.fault.node != node
+                && f.fault.kind == FaultKind::Partition
+                && f.at_unix_ms <= to
+                && from <= f.at_unix_ms + f.fault.duration_ms
+        })
+}
+
 /// Whether some node's staging filesystem was full at `t`. A drain's step needs every rank's
 /// part, so one full node makes the whole drain's save fail, wherever the preemption hit.
 fn staging_full_anywhere_at(fired: &[Fired], t: u64) -> bool {
@@ -242,8 +258,8 @@ fn steps_in_store_time(s: &Scenario, events: &[Record], t: u64) -> u64 {
 ///    before it ([`steps_in_store_time`]), never more than the pipeline's depth. A
 ///    preemption's bound of 0 is not widened by any of these: its drained step commits
 ///    regardless; it gets the crash's bound only when nothing was left to save (the node
-///    fenced or cut off, a staging filesystem full, the group broken by a crash or already
-///    stopping for a newer generation). Steps lost are counted from the step training
+///    fenced or cut off, a peer cut off before its drain began, a staging filesystem full,
+///    the group broken by a crash or already stopping for a newer generation). Steps lost are counted from the step training
 ///    resumed from, in the first generation after the fault that trained.
 pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]) -> Check {
     let mut bad = Vec::new();
@@ -274,13 +290,21 @@ pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]
             // preemption came has nothing left to save: it lost what a partition loses.
             // Nor can a drain while any node's staging filesystem is full: the agreed step
             // lacks that node's part. Nor a drain of a group that a crash already broke, or
-            // that a newer generation already stopped.
+            // that a newer generation already stopped, or one a peer was cut off from before
+            // the drain began (its workers cannot agree on the step with that peer).
             k if k.is_preemption()
                 && (fenced_at(events, e.node, e.at_unix_ms)
                     || cut_off_at(fired, e.node, e.at_unix_ms)
                     || staging_full_anywhere_at(fired, e.at_unix_ms)
                     || group_failed_at(events, fired, e.at_unix_ms)
-                    || superseded_at(events, e.at_unix_ms)) =>
+                    || superseded_at(events, e.at_unix_ms)
+                    || peer_cut_off_during(
+                        s,
+                        fired,
+                        e.node,
+                        e.at_unix_ms,
+                        e.at_unix_ms + e.detection_ms.unwrap_or(0),
+                    )) =>
             {
                 Some(crash_bound)
             }
@@ -568,6 +592,52 @@ mod tests {
             }
         }
         assert!(!lost_work_check(&s, &unknown, &sigterm_at(5100)).ok);
+    }
+
+    #[test]
+    fn a_preemption_whose_drain_begins_after_a_peer_was_cut_off_may_lose_what_a_crash_loses() {
+        // Generation 1 trains to 13 with 10 committed; generation 2 resumes from 10. A notice
+        // at 3500 ms on node 2 is acted on at 4400 ms (its drain starts then); node 0 is
+        // partitioned at 4200 ms, in between, every node in a namespace of its own.
+        let mut s = scenario();
+        s.network = Network::Netns;
+        let evs = vec![
+            generation(1000, "a", 1, 3, None, None),
+            first_step(2000, "a", 1, 1),
+            committed(3000, "a", 10, 1),
+            drain(4400, "c", DrainReason::Notice),
+            generation(6000, "a", 2, 2, Some(10), Some(13)),
+            first_step(9000, "a", 2, 11),
+        ];
+        let partition_at = |t: u64, node: usize| Fired {
+            fault: Fault {
+                at_ms: 0,
+                kind: FaultKind::Partition,
+                node,
+                duration_ms: 4000,
+                delay_ms: 0,
+            },
+            at_unix_ms: t,
+            skipped: None,
+        };
+        let mut f = fired(FaultKind::Notice);
+        f.push(partition_at(4200, 0));
+        assert_eq!(effects(&evs, &f)[0].detection_ms, Some(900));
+        assert!(
+            lost_work_check(&s, &evs, &f).ok,
+            "the drain began with node 0 cut off"
+        );
+        // A peer cut off only after the drain began is no excuse: the drain had its chance.
+        let mut later = fired(FaultKind::Notice);
+        later.push(partition_at(4600, 0));
+        assert!(!lost_work_check(&s, &evs, &later).ok);
+        // Nor is the preempted node's own later partition (that is `cut_off_at`'s matter).
+        let mut own = fired(FaultKind::Notice);
+        own.push(partition_at(4200, 2));
+        assert!(!lost_work_check(&s, &evs, &own).ok);
+        // On the loopback a partition cuts etcd only: the workers still agree and save.
+        s.network = Network::Loopback;
+        assert!(!lost_work_check(&s, &evs, &f).ok);
     }
 
     fn set_resume_step(r: &mut Record, step: u64) {
