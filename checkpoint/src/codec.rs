@@ -202,6 +202,147 @@ pub fn decode(stored: &[u8], codec: &Codec, raw_bytes: u64) -> Result<Vec<u8>, S
     Ok(out)
 }
 
+/// Why [`decode_blocks`] stopped: the stored bytes do not decode as the codec says, or the
+/// sink refused a block.
+#[derive(Debug)]
+pub enum BlocksError<E> {
+    Codec(String),
+    Sink(E),
+}
+
+/// Decodes a stored chunk as [`decode`] does, without ever holding the decoded chunk: its
+/// bytes go to `sink(offset, bytes)` in order, in blocks of at most `block_bytes`, each handed
+/// over while it is still in cache. Returns the crc32c of all of them, for the caller to check
+/// before it trusts what the sink wrote. A raw chunk is handed over in place; a `zstd` chunk
+/// streams through one block of buffer; a `zstd-planes` chunk holds its decompressed planes
+/// (the size of the chunk) and interleaves them into one block at a time.
+pub fn decode_blocks<E>(
+    stored: &[u8],
+    codec: &Codec,
+    raw_bytes: u64,
+    block_bytes: usize,
+    mut sink: impl FnMut(u64, &[u8]) -> Result<(), E>,
+) -> Result<u32, BlocksError<E>> {
+    codec
+        .check(raw_bytes, stored.len() as u64)
+        .map_err(BlocksError::Codec)?;
+    let raw_len = usize::try_from(raw_bytes)
+        .map_err(|_| BlocksError::Codec("raw length does not fit in memory".into()))?;
+    let block_bytes = block_bytes.max(8);
+    let mut crc = 0u32;
+    let mut emit = |at: usize, b: &[u8]| {
+        crc = crc32c::crc32c_append(crc, b);
+        sink(at as u64, b).map_err(BlocksError::Sink)
+    };
+    match codec {
+        Codec::Raw => {
+            for (i, b) in stored.chunks(block_bytes).enumerate() {
+                emit(i * block_bytes, b)?;
+            }
+        }
+        Codec::Zstd => {
+            use std::io::Read;
+            let mut d = zstd::stream::read::Decoder::with_buffer(stored)
+                .map_err(|e| BlocksError::Codec(format!("zstd: {e}")))?;
+            let mut buf = vec![0u8; block_bytes.min(raw_len.max(1))];
+            let mut at = 0usize;
+            while at < raw_len {
+                let n = (raw_len - at).min(buf.len());
+                d.read_exact(&mut buf[..n]).map_err(|e| {
+                    BlocksError::Codec(if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                        format!("zstd frame ends before {raw_len} bytes")
+                    } else {
+                        format!("zstd: {e}")
+                    })
+                })?;
+                emit(at, &buf[..n])?;
+                at += n;
+            }
+            let mut more = [0u8; 1];
+            if d.read(&mut more)
+                .map_err(|e| BlocksError::Codec(format!("zstd: {e}")))?
+                != 0
+            {
+                return Err(BlocksError::Codec(format!(
+                    "zstd frame decodes to more than {raw_len} bytes"
+                )));
+            }
+        }
+        Codec::ZstdPlanes { width, planes } => {
+            let w = usize::from(*width);
+            let plane_len = raw_len / w;
+            let mut pos = 0usize;
+            let mut decoded = Vec::with_capacity(w);
+            for p in planes {
+                let n = p.stored_bytes as usize;
+                let src = &stored[pos..pos + n];
+                pos += n;
+                decoded.push(if p.zstd {
+                    std::borrow::Cow::Owned(unzstd(src, plane_len).map_err(BlocksError::Codec)?)
+                } else {
+                    std::borrow::Cow::Borrowed(src)
+                });
+            }
+            let views: Vec<&[u8]> = decoded.iter().map(|p| &p[..]).collect();
+            let per_block = (block_bytes / w).max(1);
+            let mut buf = vec![0u8; (per_block * w).min(plane_len * w).max(1)];
+            let mut e0 = 0usize;
+            while e0 < plane_len {
+                let e1 = (e0 + per_block).min(plane_len);
+                let out = &mut buf[..(e1 - e0) * w];
+                gather_planes(&views, w, e0, out);
+                emit(e0 * w, out)?;
+                e0 = e1;
+            }
+            if pos < stored.len() {
+                emit(plane_len * w, &stored[pos..])?;
+            }
+        }
+    }
+    Ok(crc)
+}
+
+/// Elements `[e0, e0 + out.len() / w)` of width `w` put back together from their byte
+/// `planes`: the inverse of [`extract_plane`] for a range of elements. Written as zips of
+/// slices of equal length, so the loop has no bounds checks and vectorizes.
+fn gather_planes(planes: &[&[u8]], w: usize, e0: usize, out: &mut [u8]) {
+    let n = out.len() / w;
+    let p = |k: usize| &planes[k][e0..e0 + n];
+    match w {
+        2 => {
+            for ((el, a), b) in out.chunks_exact_mut(2).zip(p(0)).zip(p(1)) {
+                el.copy_from_slice(&[*a, *b]);
+            }
+        }
+        4 => {
+            for ((((el, a), b), c), d) in out
+                .chunks_exact_mut(4)
+                .zip(p(0))
+                .zip(p(1))
+                .zip(p(2))
+                .zip(p(3))
+            {
+                el.copy_from_slice(&[*a, *b, *c, *d]);
+            }
+        }
+        _ => {
+            // Two passes of four planes each: the high and low halves of every element.
+            for half in 0..2 {
+                let k = 4 * half;
+                for ((((el, a), b), c), d) in out
+                    .chunks_exact_mut(8)
+                    .zip(p(k))
+                    .zip(p(k + 1))
+                    .zip(p(k + 2))
+                    .zip(p(k + 3))
+                {
+                    el[k..k + 4].copy_from_slice(&[*a, *b, *c, *d]);
+                }
+            }
+        }
+    }
+}
+
 fn unzstd(src: &[u8], len: usize) -> Result<Vec<u8>, String> {
     let out = zstd::bulk::decompress(src, len).map_err(|e| format!("zstd: {e}"))?;
     if out.len() != len {
@@ -255,6 +396,82 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Every block `decode_blocks` hands over, put together, with its crc32c.
+    fn blocks(
+        stored: &[u8],
+        codec: &Codec,
+        raw: u64,
+        block: usize,
+    ) -> Result<(Vec<u8>, u32), String> {
+        let mut out = Vec::new();
+        let crc = decode_blocks(stored, codec, raw, block, |at, b| {
+            assert_eq!(at, out.len() as u64, "blocks come in order, without gaps");
+            assert!(!b.is_empty() && b.len() <= block.max(8));
+            out.extend_from_slice(b);
+            Ok::<_, ()>(())
+        })
+        .map_err(|e| match e {
+            BlocksError::Codec(s) => s,
+            BlocksError::Sink(()) => "sink".into(),
+        })?;
+        Ok((out, crc))
+    }
+
+    #[test]
+    fn decode_blocks_hands_over_what_decode_gives_in_blocks_of_any_size() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        for dtype in ["U8", "BF16", "F32", "F64"] {
+            let width = crate::header::plane_width_for(dtype);
+            for len in [0usize, 1, 3, 9, 1023, 4096, 65_537] {
+                let w = width.unwrap_or(4);
+                let mut data = weights(len / usize::from(w) + 1, w, len as u64);
+                data.truncate(len);
+                if len % 3 == 0 {
+                    data.iter_mut().for_each(|b| *b = rng.random());
+                }
+                let zeros = vec![0u8; len];
+                for (input, compress) in [(&data, false), (&data, true), (&zeros, true)] {
+                    let (stored, codec) = encode(input, width, compress);
+                    for block in [1usize, 7, 8, 100, 4096, 1 << 20] {
+                        let (got, crc) = blocks(&stored, &codec, len as u64, block).unwrap();
+                        assert_eq!(&got, input, "{dtype} len {len} {codec:?} block {block}");
+                        assert_eq!(crc, crc32c::crc32c(input));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn decode_blocks_refuses_damaged_or_mislabelled_chunks_and_stops_at_a_refusing_sink() {
+        let data = weights(20_000, 4, 5);
+        let (stored, codec) = encode(&data, Some(4), true);
+        assert_eq!(codec.name(), "zstd-planes");
+        let n = data.len() as u64;
+        assert!(blocks(&stored, &codec, n + 1, 4096).is_err());
+        assert!(blocks(&stored[..stored.len() - 1], &codec, n, 4096).is_err());
+        let mut bad = stored.clone();
+        bad[10] ^= 0xff;
+        if let Ok((got, crc)) = blocks(&bad, &codec, n, 4096) {
+            assert!(got != data && crc != crc32c::crc32c(&data));
+        }
+        let zeros = vec![0u8; 50_000];
+        let (z, zc) = encode(&zeros, None, true);
+        assert_eq!(zc, Codec::Zstd);
+        let short = blocks(&z, &zc, 50_001, 4096).unwrap_err();
+        assert!(short.contains("ends before"), "{short}");
+        let long = blocks(&z, &zc, 49_999, 4096).unwrap_err();
+        assert!(long.contains("more than"), "{long}");
+        assert!(blocks(&z[..z.len() / 2], &zc, 50_000, 4096).is_err());
+        let mut calls = 0;
+        let r = decode_blocks(&z, &zc, 50_000, 4096, |_, _| {
+            calls += 1;
+            if calls == 3 { Err("full") } else { Ok(()) }
+        });
+        assert!(matches!(r, Err(BlocksError::Sink("full"))));
+        assert_eq!(calls, 3);
     }
 
     #[test]

@@ -74,6 +74,8 @@
 //! | input | what happens |
 //! |---|---|
 //! | a chunk with a flipped bit, truncated, extended or missing | the checksum or length check names the object; falls back |
+//! | a chunk of a local directory cut shorter while a restore streams it | named as truncated with its new length, never read short; nothing of it is renamed into place; falls back |
+//! | a symlink planted under a local store where a save writes (a step or data directory) | the save is refused naming it; nothing is written where it points |
 //! | a manifest that is not JSON, of an unknown `format_version`, over [`MANIFEST_BYTES_MAX`], or breaking any rule above | `InvalidManifest` / `UnsupportedVersion` naming the key; falls back; `ls` shows it as "committed but invalid" |
 //! | a manifest naming a file where another needs a directory (`a.safetensors` and `a.safetensors/b.safetensors`) | invalid manifest; falls back |
 //! | a FIFO, socket, device or symlink where an object belongs (`file://`) | never opened (a FIFO would block); the object is "not a regular file"; falls back |

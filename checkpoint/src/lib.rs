@@ -128,5 +128,5 @@ pub use format::{Manifest, PartRecord, ShardSpec};
 pub use restore::{ReadOptions, RestoreReport};
 pub use retention::RetentionPolicy;
 pub use save::{CommitOutcome, CommitRequest, Compression, PartInput, PartSource, SaveOptions};
-pub use store::{Store, StoreOptions};
+pub use store::{ReadStats, Store, StoreOptions};
 pub use tokio_util::sync::CancellationToken;

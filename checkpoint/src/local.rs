@@ -154,6 +154,11 @@ pub fn check_fresh_dir(dir: &Path, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Bytes copied at a time where a chunk streams between a file and the store (a raw chunk read
+/// from or written to a local directory, a chunk decoded into a restore's output): small enough
+/// to stay in a core's cache between the read or decode, the checksum and the write.
+pub(crate) const STREAM_BLOCK_BYTES: usize = 256 * 1024;
+
 /// A file being written under a temp name next to its final name.
 pub struct DurableFile {
     pub file: File,

@@ -7,12 +7,16 @@
 //!   complete.
 //! - Here: [`Store::pull`] and [`Store::restore`], which plan what each output file holds.
 //!
-//! Reads are per chunk: a rank fetches only the chunks that hold bytes it needs, several at a
-//! time (`concurrency`). A large chunk on a remote store comes as separate ranged requests in
-//! parallel; on a local directory it is one read. Every chunk's stored and decoded checksums
-//! are checked before a byte of it is used. Memory is bounded by
-//! `3 × concurrency × (largest decoded chunk)`: stored bytes, decoded bytes and one plane
-//! (while a remote chunk's ranges arrive: its stored bytes and up to 4 pieces of 8 MiB).
+//! Reads are per chunk: a rank fetches only the chunks that hold bytes it needs, several at a time
+//! (`concurrency`). A large chunk on a remote store comes as separate ranged requests in parallel.
+//! No decoded chunk is assembled in memory: its bytes go into the output a block of 256 KiB at a
+//! time, each block checksummed on the way while still in cache, and every chunk's stored and
+//! decoded checksums are checked before the output that holds its bytes is renamed into place. A
+//! raw chunk on a local directory streams from its file, so it is read once, written once and never
+//! held; a remote or compressed chunk is held as its stored bytes plus, for byte planes, its
+//! decompressed planes. Memory is bounded by `concurrency × 2 × (largest chunk)` (while a remote
+//! chunk's ranges arrive: its stored bytes and up to 4 pieces of 8 MiB), and by `concurrency × 256
+//! KiB` for raw chunks on a local directory.
 
 mod read;
 mod steps;

@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -58,6 +59,23 @@ pub struct Store {
     /// For `file://`: the root directory, so puts can be fsynced.
     local_root: Option<PathBuf>,
     pub(crate) opts: StoreOptions,
+    /// What this store and its clones read.
+    reads: Arc<ReadCounter>,
+}
+
+#[derive(Debug, Default)]
+struct ReadCounter {
+    bytes: AtomicU64,
+    gets: AtomicU64,
+}
+
+/// What a store (and every clone of it) has read so far: object bytes (as stored, before
+/// decoding; manifests and part records included) and the reads that fetched them (a GET or
+/// ranged GET on a remote store, one per object on a local directory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct ReadStats {
+    pub bytes: u64,
+    pub gets: u64,
 }
 
 impl std::fmt::Display for Store {
@@ -169,7 +187,22 @@ impl Store {
             display: redact_userinfo(normalized.split(['?', '#']).next().unwrap_or("")),
             local_root,
             opts,
+            reads: Arc::default(),
         })
+    }
+
+    /// What this store and its clones have read so far.
+    pub fn read_stats(&self) -> ReadStats {
+        ReadStats {
+            bytes: self.reads.bytes.load(Ordering::Relaxed),
+            gets: self.reads.gets.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Counts one read of `bytes` bytes.
+    pub(crate) fn count_read(&self, bytes: u64) {
+        self.reads.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.reads.gets.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Replaces the call options.
@@ -188,6 +221,40 @@ impl Store {
     /// Whether the store is a local directory (`file://`).
     pub(crate) fn has_local_root(&self) -> bool {
         self.local_root.is_some()
+    }
+
+    /// On `file://`, the file that holds `key` (read only through
+    /// [`crate::local::open_regular`]: never a symlink, never a FIFO).
+    pub(crate) fn local_file(&self, key: &str) -> Option<PathBuf> {
+        self.local_root
+            .as_ref()
+            .map(|root| root.join(self.path(key).as_ref()))
+    }
+
+    /// On `file://`, the store's root directory and `key`'s path under it (with the store's
+    /// prefix), for writes made here rather than through `object_store`.
+    pub(crate) fn local_object(&self, key: &str) -> Option<(PathBuf, String)> {
+        self.local_root
+            .as_ref()
+            .map(|root| (root.clone(), self.path(key).as_ref().to_string()))
+    }
+
+    /// The error for a failed local read of `key` by `op`: a missing file or one that is not
+    /// a regular file says the object is missing (an integrity error, as a remote 404 is).
+    pub(crate) fn local_error(&self, op: &'static str, key: &str, e: std::io::Error) -> Error {
+        let kind = match e.kind() {
+            std::io::ErrorKind::NotFound => StoreErrorKind::NotFound,
+            std::io::ErrorKind::InvalidData => StoreErrorKind::NotARegularFile,
+            std::io::ErrorKind::PermissionDenied => StoreErrorKind::PermissionDenied,
+            _ => StoreErrorKind::Other,
+        };
+        Error::Store {
+            store: self.display.clone(),
+            op,
+            key: key.to_string(),
+            kind,
+            message: e.to_string(),
+        }
     }
 
     /// Whether calls cross a network: not a local directory, not memory (judged by the URL,
@@ -211,6 +278,7 @@ impl Store {
             display: display.to_string(),
             local_root: None,
             opts: StoreOptions::default(),
+            reads: Arc::default(),
         }
     }
 
@@ -285,9 +353,7 @@ impl Store {
     /// `object_store`, so that only a regular file is ever opened: a FIFO planted where a
     /// manifest belongs would block an open forever, and a symlink would lead outside.
     pub(crate) async fn get(&self, key: &str, cancel: &CancellationToken) -> Result<Bytes> {
-        if let Some(root) = &self.local_root {
-            let file = root.join(self.path(key).as_ref());
-            let (display, key_owned) = (self.display.clone(), key.to_string());
+        if let Some(file) = self.local_file(key) {
             let read = tokio::task::spawn_blocking(move || {
                 use std::io::Read;
                 let mut f = crate::local::open_regular(&file)?;
@@ -300,21 +366,11 @@ impl Store {
                 _ = cancel.cancelled() => return Err(Error::Cancelled { op: format!("get {key} on {}", self.display) }),
                 r = read => r.map_err(|e| Error::task_failed("read", e))?,
             };
-            return r.map(Bytes::from).map_err(|e| {
-                let kind = match e.kind() {
-                    std::io::ErrorKind::NotFound => StoreErrorKind::NotFound,
-                    std::io::ErrorKind::InvalidData => StoreErrorKind::NotARegularFile,
-                    std::io::ErrorKind::PermissionDenied => StoreErrorKind::PermissionDenied,
-                    _ => StoreErrorKind::Other,
-                };
-                Error::Store {
-                    store: display,
-                    op: "get",
-                    key: key_owned,
-                    kind,
-                    message: e.to_string(),
-                }
-            });
+            let b = r
+                .map(Bytes::from)
+                .map_err(|e| self.local_error("get", key, e))?;
+            self.count_read(b.len() as u64);
+            return Ok(b);
         }
         let path = self.path(key);
         self.retry("get", key, cancel, || async {
@@ -323,7 +379,9 @@ impl Store {
                 .get(&path)
                 .await
                 .map_err(|e| self.err("get", key, e))?;
-            r.bytes().await.map_err(|e| self.err("get", key, e))
+            let b = r.bytes().await.map_err(|e| self.err("get", key, e))?;
+            self.count_read(b.len() as u64);
+            Ok(b)
         })
         .await
     }

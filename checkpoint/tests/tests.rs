@@ -21,6 +21,8 @@ mod gc_verify;
 mod gcs;
 #[path = "suite/hostile.rs"]
 mod hostile;
+#[path = "suite/local_stream.rs"]
+mod local_stream;
 #[path = "suite/python.rs"]
 mod python;
 

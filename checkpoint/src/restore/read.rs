@@ -111,10 +111,13 @@ impl Store {
                 async move {
                     let bytes = self
                         .retry("get", key, cancel, || async {
-                            self.inner
+                            let b = self
+                                .inner
                                 .get_range(path, range.clone())
                                 .await
-                                .map_err(|e| self.err("get", key, e))
+                                .map_err(|e| self.err("get", key, e))?;
+                            self.count_read(b.len() as u64);
+                            Ok(b)
                         })
                         .await?;
                     Ok::<_, Error>((range, bytes))
@@ -140,35 +143,44 @@ impl Store {
         Ok(buf)
     }
 
-    /// Fetches and decodes object `idx`, checking every checksum.
-    pub(crate) async fn fetch_decoded(
+    /// Fetches object `idx` and checks every checksum, decoding it a block at a time (the
+    /// decoded chunk is never held).
+    pub(crate) async fn fetch_checked(
         &self,
         m: &Manifest,
         idx: usize,
         cancel: &CancellationToken,
-    ) -> Result<bytes::Bytes> {
+    ) -> Result<()> {
         let stored = self.fetch_stored(m, idx, cancel).await?;
         let o = m.objects[idx].clone();
-        let raw = tokio::task::spawn_blocking(move || {
-            // A raw chunk's stored checksum is its raw checksum (the manifest validator
-            // insists), and fetch_stored checked it: no copy, no second pass.
-            if o.codec == codec::Codec::Raw {
-                return Ok(stored);
-            }
-            let raw = bytes::Bytes::from(codec::decode(&stored, &o.codec, o.raw_bytes)?);
-            drop(stored);
-            let crc = crc32c::crc32c(&raw);
+        // A raw chunk's stored checksum is its raw checksum (the manifest validator
+        // insists), and fetch_stored checked it: no second pass.
+        if o.codec == codec::Codec::Raw {
+            return Ok(());
+        }
+        let r = tokio::task::spawn_blocking(move || {
+            let crc = codec::decode_blocks(
+                &stored,
+                &o.codec,
+                o.raw_bytes,
+                crate::local::STREAM_BLOCK_BYTES,
+                |_, _| Ok::<_, std::convert::Infallible>(()),
+            )
+            .map_err(|e| match e {
+                codec::BlocksError::Codec(reason) => reason,
+                codec::BlocksError::Sink(never) => match never {},
+            })?;
             if crc != o.raw_crc32c {
                 return Err(format!(
                     "decoded crc32c {crc:08x}, manifest says {:08x}",
                     o.raw_crc32c
                 ));
             }
-            Ok(raw)
+            Ok(())
         })
         .await
         .map_err(|e| Error::task_failed("decode", e))?;
-        raw.map_err(|reason| self.corrupt(m.step, &m.objects[idx].key, reason))
+        r.map_err(|reason| self.corrupt(m.step, &m.objects[idx].key, reason))
     }
 
     /// Reads every object of `step` and checks lengths and checksums. The report lists every
@@ -183,7 +195,7 @@ impl Store {
         let m = &m;
         let results: Vec<(usize, Result<()>)> = futures::stream::iter(0..m.objects.len())
             .map(|i| async move {
-                let r = self.fetch_decoded(m, i, cancel).await.map(|_| ());
+                let r = self.fetch_checked(m, i, cancel).await;
                 if let Some(p) = &opts.progress {
                     p(m.objects[i].stored_bytes);
                 }

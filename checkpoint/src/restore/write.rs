@@ -5,13 +5,14 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use super::ReadOptions;
+use crate::codec::{self, Codec};
 use crate::error::{Error, Result};
-use crate::format::{FileEntry, Manifest};
-use crate::local::{DurableFile, RootLink};
+use crate::format::{FileEntry, Manifest, ObjectEntry};
+use crate::local::{DurableFile, RootLink, STREAM_BLOCK_BYTES};
 use crate::store::Store;
 
 /// One contiguous copy from a decoded object into an output file.
@@ -132,36 +133,219 @@ impl Store {
         for op in ops {
             by_object.entry(op.object).or_default().push(op);
         }
-        futures::stream::iter(by_object)
+        // The first failure stops the other chunks (at their next block or store call), and
+        // every chunk in flight is waited for, so that no task still holds an output file when
+        // this returns: a failed read leaves nothing behind.
+        let abort = cancel.child_token();
+        let abort = &abort;
+        let mut chunks = futures::stream::iter(by_object)
             .map(|(object, ops)| {
                 let files = files.clone();
                 async move {
-                    let raw = self.fetch_decoded(m, object as usize, cancel).await?;
                     let n: u64 = ops.iter().map(|op| op.len).sum();
-                    tokio::task::spawn_blocking(move || {
-                        for op in ops {
-                            let s = op.obj_offset as usize;
-                            files[op.out].write_at(&raw[s..s + op.len as usize], op.out_offset)?;
-                        }
-                        Ok::<_, Error>(())
-                    })
-                    .await
-                    .map_err(|e| Error::task_failed("write", e))??;
+                    let o = &m.objects[object as usize];
+                    if o.codec == Codec::Raw && self.has_local_root() {
+                        let (store, o, abort) = (self.clone(), o.clone(), abort.clone());
+                        let step = m.step;
+                        tokio::task::spawn_blocking(move || {
+                            store.stream_local_raw(step, &o, &ops, &files, &abort)
+                        })
+                        .await
+                        .map_err(|e| Error::task_failed("read", e))??;
+                    } else {
+                        let stored = self.fetch_stored(m, object as usize, abort).await?;
+                        let (store, o) = (self.clone(), o.clone());
+                        let step = m.step;
+                        tokio::task::spawn_blocking(move || {
+                            store.write_decoded(step, &o, &stored, &ops, &files)
+                        })
+                        .await
+                        .map_err(|e| Error::task_failed("write", e))??;
+                    }
                     if let Some(p) = &opts.progress {
                         p(n);
                     }
                     Ok::<_, Error>(())
                 }
             })
-            .buffer_unordered(opts.concurrency.max(1))
-            .try_collect::<Vec<()>>()
-            .await?;
+            .buffer_unordered(opts.concurrency.max(1));
+        let mut failed = None;
+        while let Some(r) = chunks.next().await {
+            // The first error is the one returned; the chunks it stops fail as cancelled,
+            // which says nothing new.
+            if let Err(e) = r
+                && failed.is_none()
+            {
+                abort.cancel();
+                failed = Some(e);
+            }
+        }
+        drop(chunks);
+        if let Some(e) = failed {
+            return Err(e);
+        }
         let files = Arc::try_unwrap(files).map_err(|_| {
             Error::InvalidInput("output files still shared after all writes".into())
         })?;
         tokio::task::spawn_blocking(move || files.into_iter().try_for_each(DurableFile::commit))
             .await
             .map_err(|e| Error::task_failed("fsync", e))?
+    }
+}
+
+/// Writes what `ops` take of the object bytes `block`, which start at `pos` in the object.
+fn write_block(ops: &[CopyOp], files: &[DurableFile], pos: u64, block: &[u8]) -> Result<()> {
+    let end = pos + block.len() as u64;
+    for op in ops {
+        let (a, b) = (op.obj_offset.max(pos), (op.obj_offset + op.len).min(end));
+        if a < b {
+            files[op.out].write_at(
+                &block[(a - pos) as usize..(b - pos) as usize],
+                op.out_offset + (a - op.obj_offset),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+impl Store {
+    /// Writes what `ops` take of object `o`, whose stored bytes (`stored`, their checksum
+    /// already checked) were fetched: a raw object straight from them, a compressed one
+    /// decoded a block at a time into the output while its decoded checksum is computed
+    /// ([`codec::decode_blocks`]), which is checked at the end. Until then its bytes lie only
+    /// in the output files' temporary names, which a failed read never renames into place.
+    fn write_decoded(
+        &self,
+        step: u64,
+        o: &ObjectEntry,
+        stored: &[u8],
+        ops: &[CopyOp],
+        files: &[DurableFile],
+    ) -> Result<()> {
+        if o.codec == Codec::Raw {
+            // Its stored checksum is its raw checksum (the manifest validator insists).
+            return write_block(ops, files, 0, stored);
+        }
+        let crc = codec::decode_blocks(
+            stored,
+            &o.codec,
+            o.raw_bytes,
+            STREAM_BLOCK_BYTES,
+            |at, b| write_block(ops, files, at, b),
+        )
+        .map_err(|e| match e {
+            codec::BlocksError::Codec(reason) => self.corrupt(step, &o.key, reason),
+            codec::BlocksError::Sink(e) => e,
+        })?;
+        if crc != o.raw_crc32c {
+            return Err(self.corrupt(
+                step,
+                &o.key,
+                format!(
+                    "decoded crc32c {crc:08x}, manifest says {:08x}",
+                    o.raw_crc32c
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Copies what `ops` take of raw object `o` of a `file://` store straight from its file
+    /// into the output `files`; see [`Store::copy_local_raw`].
+    fn stream_local_raw(
+        &self,
+        step: u64,
+        o: &ObjectEntry,
+        ops: &[CopyOp],
+        files: &[DurableFile],
+        cancel: &CancellationToken,
+    ) -> Result<()> {
+        let f = self.open_local_raw(step, o)?;
+        self.copy_local_raw(step, o, &f, ops, files, cancel)?;
+        self.count_read(o.stored_bytes);
+        Ok(())
+    }
+
+    /// Opens the file of raw object `o` of a `file://` store (a regular file only: never
+    /// through a symlink, never a FIFO) and checks its length against the manifest.
+    fn open_local_raw(&self, step: u64, o: &ObjectEntry) -> Result<std::fs::File> {
+        let path = self.local_file(&o.key).ok_or_else(|| {
+            Error::InvalidInput(format!("{} is not a local directory", self.url()))
+        })?;
+        let f =
+            crate::local::open_regular(&path).map_err(|e| self.local_error("get", &o.key, e))?;
+        let size = f
+            .metadata()
+            .map_err(|e| self.local_error("get", &o.key, e))?
+            .len();
+        if size != o.stored_bytes {
+            return Err(self.truncated(step, o, size));
+        }
+        Ok(f)
+    }
+
+    fn truncated(&self, step: u64, o: &ObjectEntry, size: u64) -> Error {
+        self.corrupt(
+            step,
+            &o.key,
+            format!(
+                "truncated or extended: {size} bytes, manifest says {}",
+                o.stored_bytes
+            ),
+        )
+    }
+
+    /// Streams raw object `o` from its open file `f` into the output `files` as `ops` say:
+    /// [`STREAM_BLOCK_BYTES`] at a time, each block read, added to the checksum and written out
+    /// while it is still in the core's cache, so the bytes are touched once and memory holds
+    /// one block. The whole object is read (the checksum covers all of it) even when `ops`
+    /// take only part. The checksum is checked at the end, and a file that ends early is named
+    /// as truncated: until then the bytes lie only in the output files' temporary names,
+    /// which a failed read never renames into place.
+    fn copy_local_raw(
+        &self,
+        step: u64,
+        o: &ObjectEntry,
+        f: &std::fs::File,
+        ops: &[CopyOp],
+        files: &[DurableFile],
+        cancel: &CancellationToken,
+    ) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+
+        let block_bytes = usize::try_from(o.stored_bytes)
+            .unwrap_or(usize::MAX)
+            .clamp(1, STREAM_BLOCK_BYTES);
+        let mut buf = vec![0u8; block_bytes];
+        let mut crc = 0u32;
+        let mut pos = 0u64;
+        while pos < o.stored_bytes {
+            if cancel.is_cancelled() {
+                return Err(Error::Cancelled {
+                    op: format!("get {} on {}", o.key, self.url()),
+                });
+            }
+            let n = (o.stored_bytes - pos).min(buf.len() as u64);
+            let block = &mut buf[..n as usize];
+            f.read_exact_at(block, pos).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    self.truncated(step, o, f.metadata().map_or(pos, |m| m.len()))
+                } else {
+                    self.local_error("get", &o.key, e)
+                }
+            })?;
+            crc = crc32c::crc32c_append(crc, block);
+            write_block(ops, files, pos, block)?;
+            pos += n;
+        }
+        if crc != o.stored_crc32c {
+            return Err(self.corrupt(
+                step,
+                &o.key,
+                format!("crc32c {crc:08x}, manifest says {:08x}", o.stored_crc32c),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -210,5 +394,77 @@ mod tests {
             ),
             (1, 0, 8, 102)
         );
+    }
+
+    /// A chunk cut shorter after it was opened (and its length checked) meets its end while
+    /// streaming: named as truncated with its new length, never read short, and nothing of
+    /// it lands in place.
+    #[tokio::test]
+    async fn a_local_chunk_cut_while_it_streams_is_named_truncated() {
+        use crate::save::{PartInput, PartSource, SaveOptions};
+
+        let root = tempfile::tempdir().unwrap();
+        let store = Store::open(&format!("file://{}", root.path().display())).unwrap();
+        let data: Vec<u8> = (0..(3 * STREAM_BLOCK_BYTES + 77) as u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        let mut file = Vec::new();
+        let header = format!(
+            r#"{{"t":{{"dtype":"U8","shape":[{}],"data_offsets":[0,{}]}}}}"#,
+            data.len(),
+            data.len()
+        );
+        file.extend_from_slice(&(header.len() as u64).to_le_bytes());
+        file.extend_from_slice(header.as_bytes());
+        file.extend_from_slice(&data);
+        let cancel = CancellationToken::new();
+        let opts = SaveOptions {
+            compress: false,
+            ..Default::default()
+        };
+        let input = PartInput {
+            writer: "w".into(),
+            source: PartSource::Buffers(vec![("f.safetensors".into(), file.into())]),
+            shards: Default::default(),
+        };
+        store.save_part(4, input, &opts, &cancel).await.unwrap();
+        let req = crate::save::CommitRequest {
+            world_size: 1,
+            writers: vec!["w".into()],
+            metadata: serde_json::Value::Null,
+        };
+        store.commit(4, req, &cancel).await.unwrap();
+        let m = store.read_manifest(4, &cancel).await.unwrap();
+        let o = &m.objects[0];
+        assert_eq!(o.codec, Codec::Raw);
+        let f = store.open_local_raw(4, o).unwrap();
+        // Cut inside the third block.
+        let cut = 2 * STREAM_BLOCK_BYTES as u64 + 1000;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(store.local_file(&o.key).unwrap())
+            .unwrap()
+            .set_len(cut)
+            .unwrap();
+        let out_dir = tempfile::tempdir().unwrap();
+        let out = DurableFile::create_in(out_dir.path(), "out", RootLink::Refuse).unwrap();
+        out.set_len(o.stored_bytes).unwrap();
+        let ops = [CopyOp {
+            out: 0,
+            object: 0,
+            obj_offset: 0,
+            len: o.stored_bytes,
+            out_offset: 0,
+        }];
+        let err = store
+            .copy_local_raw(4, o, &f, &ops, std::slice::from_ref(&out), &cancel)
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Corrupt { step: 4, reason, .. }
+                if reason.contains(&format!("truncated or extended: {cut} bytes"))),
+            "{err}"
+        );
+        drop(out);
+        assert_eq!(std::fs::read_dir(out_dir.path()).unwrap().count(), 0);
     }
 }

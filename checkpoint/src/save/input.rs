@@ -27,6 +27,45 @@ impl Src {
         }
     }
 
+    /// Hands `len` bytes from `offset` to `sink` in blocks of at most `block_bytes`, in order
+    /// (`sink(position in the range, bytes)`): a file through one reused buffer, a buffer in
+    /// place. Memory: one block.
+    pub(super) fn read_blocks(
+        &self,
+        offset: u64,
+        len: u64,
+        block_bytes: usize,
+        mut sink: impl FnMut(u64, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        match self {
+            Src::File(p) => {
+                use std::os::unix::fs::FileExt;
+                let f = std::fs::File::open(p).map_err(|e| Error::io(p, e))?;
+                let mut buf = vec![0u8; (len.min(block_bytes as u64) as usize).max(1)];
+                let mut at = 0u64;
+                while at < len {
+                    let n = (len - at).min(buf.len() as u64) as usize;
+                    f.read_exact_at(&mut buf[..n], offset + at)
+                        .map_err(|e| Error::io(p, e))?;
+                    sink(at, &buf[..n])?;
+                    at += n as u64;
+                }
+                Ok(())
+            }
+            Src::Buf(b) => {
+                let start = usize::try_from(offset).unwrap_or(usize::MAX);
+                let end = start.saturating_add(usize::try_from(len).unwrap_or(usize::MAX));
+                let bytes = b
+                    .get(start..end)
+                    .ok_or_else(|| Error::InvalidInput("buffer read out of bounds".into()))?;
+                for (i, block) in bytes.chunks(block_bytes.max(1)).enumerate() {
+                    sink((i * block_bytes.max(1)) as u64, block)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
     pub(super) fn read_at(&self, offset: u64, len: usize) -> Result<Vec<u8>> {
         match self {
             Src::File(p) => {

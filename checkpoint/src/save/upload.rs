@@ -20,6 +20,38 @@ use crate::format::{
 use crate::store::Store;
 
 impl Store {
+    /// Writes `len` bytes of `src` from `offset` as the raw object `key` of a `file://` store,
+    /// durably (a temporary name, fsync, rename, fsync of the directory; never through a
+    /// symlink under the store's root), streaming them a block at a time with the checksum
+    /// computed on the way: the bytes are read once and written once, and memory holds one
+    /// block.
+    fn put_local_raw(&self, key: String, src: &Src, offset: u64, len: u64) -> Result<ObjectEntry> {
+        let (root, rel) = self.local_object(&key).ok_or_else(|| {
+            Error::InvalidInput(format!("{} is not a local directory", self.url()))
+        })?;
+        let out =
+            crate::local::DurableFile::create_in(&root, &rel, crate::local::RootLink::Follow)?;
+        let mut crc = 0u32;
+        src.read_blocks(
+            offset,
+            len,
+            crate::local::STREAM_BLOCK_BYTES,
+            |at, block| {
+                crc = crc32c::crc32c_append(crc, block);
+                out.write_at(block, at)
+            },
+        )?;
+        out.commit()?;
+        Ok(ObjectEntry {
+            key,
+            stored_bytes: len,
+            stored_crc32c: crc,
+            codec: codec::Codec::Raw,
+            raw_bytes: len,
+            raw_crc32c: crc,
+        })
+    }
+
     /// Uploads one writer's part of `step` and returns once every byte and the part record are
     /// durable. Safe to retry: every call uses a fresh attempt id, so nothing a committed
     /// manifest references is ever overwritten.
@@ -97,7 +129,25 @@ impl Store {
                     let key = format::data_key(step, &writer, &attempt, i);
                     let compress = opts.compress;
                     let progress = opts.progress.clone();
+                    let store = self.clone();
                     async move {
+                        if !compress && self.has_local_root() {
+                            let entry = tokio::task::spawn_blocking(move || {
+                                let f = &files[plan.file];
+                                store.put_local_raw(
+                                    key,
+                                    &f.src,
+                                    f.data_start + plan.start,
+                                    plan.len,
+                                )
+                            })
+                            .await
+                            .map_err(|e| Error::task_failed("write", e))??;
+                            if let Some(p) = &progress {
+                                p(entry.raw_bytes);
+                            }
+                            return Ok::<_, Error>((i, entry));
+                        }
                         let (stored, entry) = tokio::task::spawn_blocking(move || {
                             let f = &files[plan.file];
                             let raw = f

@@ -1,0 +1,319 @@
+//! Restores from a local directory stream each raw chunk from its file into the output in
+//! blocks, checksummed on the way. What they write is bitwise what a memory store restores,
+//! at any world size, with copies that start and end inside blocks; and a chunk that is
+//! corrupt, truncated, extended, missing, a symlink or a FIFO fails the step with the object
+//! named, leaves no output, and the restore falls back to the previous step.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use checkpoint::format::ShardSpec;
+use checkpoint::restore::{RESTORE_FILE, rows_for_rank};
+use checkpoint::{PartInput, PartSource, ReadOptions, SaveOptions, Store};
+use safetensors::SafeTensors;
+
+use crate::common::{T, cancel, commit, rows, st_bytes, tensor};
+
+/// Raw chunks of 1 MiB: four and a bit blocks each, so tensors and row ranges start and end
+/// inside blocks and across chunk boundaries.
+fn raw_chunks() -> SaveOptions {
+    SaveOptions {
+        chunk_bytes_max: 1024 * 1024 + 4096 + 12,
+        compress: false,
+        concurrency: 2,
+        ..Default::default()
+    }
+}
+
+/// Two sharded tensors of odd row sizes and a replicated one: about 3.1 MiB.
+fn state() -> (Vec<T>, Vec<T>) {
+    (
+        vec![
+            tensor("w", "F32", &[601, 1001], 1),
+            tensor("emb", "BF16", &[333, 777], 2),
+        ],
+        vec![tensor("bias", "F32", &[70_001], 3)],
+    )
+}
+
+/// Saves `state()` from 2 writers as FSDP would, and commits it as `step`.
+async fn save(store: &Store, step: u64) {
+    let (sharded, replicated) = state();
+    for rank in 0..2u32 {
+        let mut mine = Vec::new();
+        let mut shards = BTreeMap::new();
+        for t in &sharded {
+            let (lo, hi) = rows_for_rank(t.shape[0] as u64, rank, 2);
+            let mut shape = t.shape.clone();
+            shape[0] = (hi - lo) as usize;
+            mine.push(T {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape,
+                data: rows(t, lo as usize, hi as usize),
+            });
+            shards.insert(
+                t.name.clone(),
+                ShardSpec {
+                    global_shape: t.shape.iter().map(|d| *d as u64).collect(),
+                    dim0_offset: lo,
+                },
+            );
+        }
+        if rank == 1 {
+            mine.extend(replicated.iter().cloned());
+        }
+        let input = PartInput {
+            writer: format!("rank-{rank}"),
+            source: PartSource::Buffers(vec![(
+                format!("rank-{rank}.safetensors"),
+                st_bytes(&mine, None).into(),
+            )]),
+            shards,
+        };
+        store
+            .save_part(step, input, &raw_chunks(), &cancel())
+            .await
+            .unwrap();
+    }
+    commit(store, step, &["rank-0", "rank-1"], 2).await;
+}
+
+async fn restore(store: &Store, step: Option<u64>, rank: u32, world: u32) -> (u64, Vec<u8>) {
+    let dir = tempfile::tempdir().unwrap();
+    let r = store
+        .restore(
+            step,
+            rank,
+            world,
+            dir.path(),
+            &ReadOptions::default(),
+            &cancel(),
+        )
+        .await
+        .unwrap();
+    (
+        r.step,
+        std::fs::read(dir.path().join(RESTORE_FILE)).unwrap(),
+    )
+}
+
+/// The chunk objects of `step` (`steps/<step>/data/<writer>/<n>.bin`), in name order.
+fn chunk_files(root: &Path, step: u64) -> Vec<PathBuf> {
+    let dir = root.join(format!("steps/{step:020}"));
+    let mut out = Vec::new();
+    let mut stack = vec![dir];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let e = e.unwrap();
+            let ft = e.file_type().unwrap();
+            if ft.is_dir() {
+                stack.push(e.path());
+            } else if e.path().extension().is_some_and(|x| x == "bin") {
+                out.push(e.path());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test]
+async fn a_local_restore_is_bitwise_a_memory_restore_at_every_world_size() {
+    let root = tempfile::tempdir().unwrap();
+    let local = Store::open(&format!("file://{}", root.path().display())).unwrap();
+    let mem = Store::open("memory://").unwrap();
+    save(&local, 7).await;
+    save(&mem, 7).await;
+    let m = local.read_manifest(7, &cancel()).await.unwrap();
+    assert!(
+        m.objects.len() >= 3
+            && m.objects
+                .iter()
+                .all(|o| o.codec == checkpoint::codec::Codec::Raw),
+        "raw chunks of about 1 MiB: {:?}",
+        m.objects
+            .iter()
+            .map(|o| (o.stored_bytes, o.codec.clone()))
+            .collect::<Vec<_>>()
+    );
+    // Every byte of the step is read once by a restore for a world of one (and counted).
+    let before = local.read_stats();
+    restore(&local, Some(7), 0, 1).await;
+    let read = local.read_stats();
+    let stored: u64 = m.objects.iter().map(|o| o.stored_bytes).sum();
+    assert!(
+        read.bytes - before.bytes >= stored
+            && read.bytes - before.bytes < stored + 64 * 1024
+            && read.gets - before.gets > m.objects.len() as u64,
+        "{before:?} -> {read:?}, {stored} bytes stored in {} objects",
+        m.objects.len()
+    );
+    let (sharded, replicated) = state();
+    for world in [1u32, 2, 3, 5] {
+        for rank in 0..world {
+            let (step, got) = restore(&local, None, rank, world).await;
+            assert_eq!(step, 7);
+            assert_eq!(
+                got,
+                restore(&mem, None, rank, world).await.1,
+                "rank {rank} of {world}"
+            );
+            let st = SafeTensors::deserialize(&got).unwrap();
+            for t in &sharded {
+                let (lo, hi) = rows_for_rank(t.shape[0] as u64, rank, world);
+                assert_eq!(
+                    st.tensor(&t.name).unwrap().data(),
+                    &rows(t, lo as usize, hi as usize)[..],
+                    "{} rows [{lo}, {hi}) on rank {rank} of {world}",
+                    t.name
+                );
+            }
+            for t in &replicated {
+                assert_eq!(st.tensor(&t.name).unwrap().data(), &t.data[..]);
+            }
+        }
+    }
+}
+
+/// Steps 1 and 2 saved; `spoil` then damages a chunk file of step 2. Restoring step 2 fails
+/// naming that object with `want` in the message and leaves nothing in the target, and the
+/// newest restore falls back to step 1, whose bytes are intact.
+async fn spoiled(spoil: impl FnOnce(&Path), want: &str) {
+    let root = tempfile::tempdir().unwrap();
+    let store = Store::open(&format!("file://{}", root.path().display())).unwrap();
+    save(&store, 1).await;
+    save(&store, 2).await;
+    let chunk = chunk_files(root.path(), 2).pop().unwrap();
+    spoil(&chunk);
+    let key = chunk
+        .strip_prefix(root.path())
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let err = store
+        .restore(
+            Some(2),
+            0,
+            1,
+            dir.path(),
+            &ReadOptions::default(),
+            &cancel(),
+        )
+        .await
+        .unwrap_err();
+    assert!(err.is_integrity(), "{err}");
+    let text = err.to_string();
+    assert!(text.contains(&key) && text.contains(want), "{text}");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "a failed restore leaves nothing"
+    );
+    let (step, got) = restore(&store, None, 0, 1).await;
+    assert_eq!(step, 1);
+    let mem = Store::open("memory://").unwrap();
+    save(&mem, 1).await;
+    assert_eq!(got, restore(&mem, None, 0, 1).await.1);
+}
+
+#[tokio::test]
+async fn a_flipped_bit_in_the_last_block_of_a_local_chunk_falls_back() {
+    spoiled(
+        |p| {
+            let mut b = std::fs::read(p).unwrap();
+            let at = b.len() - 1;
+            b[at] ^= 0x01;
+            std::fs::write(p, b).unwrap();
+        },
+        "crc32c",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_truncated_or_extended_local_chunk_falls_back() {
+    spoiled(
+        |p| {
+            let b = std::fs::read(p).unwrap();
+            std::fs::write(p, &b[..b.len() - 5]).unwrap();
+        },
+        "truncated or extended",
+    )
+    .await;
+    spoiled(
+        |p| {
+            let mut b = std::fs::read(p).unwrap();
+            b.push(0);
+            std::fs::write(p, b).unwrap();
+        },
+        "truncated or extended",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_missing_symlinked_or_fifo_local_chunk_falls_back_without_hanging() {
+    spoiled(|p| std::fs::remove_file(p).unwrap(), "").await;
+    spoiled(
+        |p| {
+            let real = p.with_extension("elsewhere");
+            std::fs::rename(p, &real).unwrap();
+            std::os::unix::fs::symlink(&real, p).unwrap();
+        },
+        "symlink",
+    )
+    .await;
+    spoiled(
+        |p| {
+            std::fs::remove_file(p).unwrap();
+            let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+            // SAFETY: a valid NUL-terminated path.
+            assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        },
+        "not a regular file",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_local_save_streams_into_private_directories_and_never_through_a_symlink() {
+    use std::os::unix::fs::PermissionsExt;
+
+    let root = tempfile::tempdir().unwrap();
+    let store = Store::open(&format!("file://{}", root.path().display())).unwrap();
+    save(&store, 4).await;
+    let chunk = chunk_files(root.path(), 4).pop().unwrap();
+    for dir in chunk.ancestors().skip(1) {
+        if dir == root.path() {
+            break;
+        }
+        let mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "{}", dir.display());
+    }
+    // A symlink planted where step 5's directory goes: the save refuses it, naming it, and
+    // writes nothing where it points.
+    let elsewhere = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(
+        elsewhere.path(),
+        root.path().join(format!("steps/{:020}", 5)),
+    )
+    .unwrap();
+    let (sharded, _) = state();
+    let input = PartInput {
+        writer: "rank-0".into(),
+        source: PartSource::Buffers(vec![(
+            "rank-0.safetensors".into(),
+            st_bytes(&sharded[..1], None).into(),
+        )]),
+        shards: BTreeMap::new(),
+    };
+    let err = store
+        .save_part(5, input, &raw_chunks(), &cancel())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("symlink"), "{err}");
+    assert_eq!(std::fs::read_dir(elsewhere.path()).unwrap().count(), 0);
+}
