@@ -5,7 +5,7 @@ any world size."""
 import os
 import stat
 
-from . import _tree, protocol
+from . import _read, _tree, protocol
 from ._env import rank, resume_step, world_size
 from ._save import _state_form, _unwrap
 from .protocol import (
@@ -59,7 +59,7 @@ def load(state=None, optimizer=None, resume_dir=None, *, model=None, strict=True
     mine = os.path.join(d, f"rank-{rank()}")
     shards = {}
     if os.path.isfile(os.path.join(mine, _RESTORED)):
-        step, tensors, rest = _read_restored(mine, shards=shards)
+        step, tensors, rest = _read_restored(mine, shards=shards, into=_into(state, model, strict, shards, d))
     elif _is_restore_dir(d):
         raise FormatError(f"{d}: restored for other ranks: no {_RESTORED} for rank {rank()}")
     else:
@@ -139,18 +139,39 @@ def _check_state(rest, where, parent):
 
 def _read_tensors(path, check=None):
     """Every tensor in safetensors file ``path``; ``check(header_metadata, keys)`` first."""
-    from safetensors import SafetensorError, safe_open
+    with _read.TensorFile(path) as f:
+        if check is not None:
+            check(f.metadata, list(f.entries))
+        return f.read()
 
-    if not os.path.isfile(path):
-        raise FormatError(f"{path}: missing")
-    try:
-        with safe_open(path, framework="pt") as f:
-            keys = list(f.keys())
-            if check is not None:
-                check(f.metadata() or {}, keys)
-            return {k: f.get_tensor(k) for k in keys}
-    except SafetensorError as e:
-        raise FormatError(f"{path}: not a safetensors file: {e}") from None
+
+def _into(state, model, strict, shards, where):
+    """What :func:`load` reads straight into the state's own tensors (the ``into`` of
+    :func:`_read_restored`): the tensors of every module that the checkpoint fills exactly, so
+    that the bytes go from the restored file into the model in one copy. The state form is
+    first checked in full against tensors without data (``apply``'s dry run), so a checkpoint
+    that does not fit loads nothing; ``shards`` holds the file's shard declarations by then."""
+
+    def state_form(rest, entries):
+        _tree.apply(state, rest, _meta_tensors(entries), where, strict=strict, shards=shards, dry_run=True)
+        return _tree.destinations(state, rest, entries, shards)
+
+    def model_form(rest, entries):
+        if model is None or shards:
+            return None
+        current = _unwrap(model).state_dict()
+        names = {k[len("model/"):] for k in entries if k.startswith("model/")}
+        if names != set(current):
+            return None
+        out = {f"model/{k}": t for k, t in current.items()}
+        return out if all(_read.fits(t, entries[k]) for k, t in out.items()) else None
+
+    def plan(rest, entries):
+        if state is not None:
+            return state_form(rest, entries) if _tree.is_skeleton(rest) else None
+        return None if _tree.is_skeleton(rest) else model_form(rest, entries)
+
+    return plan
 
 
 def _read_shards(path, header, tensors):
@@ -191,9 +212,11 @@ def _is_restore_dir(d):
     return False
 
 
-def _read_restored(d, shards=None):
+def _read_restored(d, shards=None, into=None):
     """``(step, tensors, rest)`` of a restored rank directory; ``shards``, a dict, receives the
-    declarations of the tensors that are this rank's rows of a sharded tensor."""
+    declarations of the tensors that are this rank's rows of a sharded tensor. ``into(rest,
+    entries)``, once the file's header and declarations are checked, may name tensors to read
+    some of the file straight into (name -> tensor, see :meth:`_read.TensorFile.read`)."""
     path = os.path.join(d, _RESTORED_META)
     meta = _read_object(path)
     version = meta.get("format_version", 1)
@@ -217,8 +240,25 @@ def _read_restored(d, shards=None):
         header_of.update(header)
 
     tensors_path = os.path.join(d, _RESTORED)
-    tensors = _read_tensors(tensors_path, check)
-    found = _read_shards(tensors_path, header_of, tensors)
+    with _read.TensorFile(tensors_path) as f:
+        check(f.metadata, list(f.entries))
+        found = _read_shards(tensors_path, header_of, _meta_tensors(f.entries))
+        _check_rows(d, path, tensors_path, r, world, header_of, found, f.entries)
+        if shards is not None:
+            shards.update(found)
+        tensors = f.read(into(rest, f.entries) if into is not None else None)
+    return step, tensors, rest
+
+
+def _meta_tensors(entries):
+    """A tensor without data (``meta``) of each entry's shape and dtype."""
+    import torch
+
+    return {k: torch.empty(e.shape, dtype=e.torch_dtype(), device="meta") for k, e in entries.items()}
+
+
+def _check_rows(d, path, tensors_path, r, world, header_of, found, entries):
+    """The sharded tensors ``found`` in a restored rank directory are this worker's rows."""
     if found:
         # Sharded rows depend on the rank and world they were cut for (the tensor file's header
         # says which); replicated tensors serve any rank (the agent links one restore for all
@@ -232,13 +272,10 @@ def _read_restored(d, shards=None):
                                   f"this worker has {want}")
         for name, spec in sorted(found.items()):
             lo, hi = protocol.rows_for_rank(spec["global_shape"][0], rank(), world_size())
-            have = (spec["dim0_offset"], spec["dim0_offset"] + tensors[name].shape[0])
+            have = (spec["dim0_offset"], spec["dim0_offset"] + entries[name].shape[0])
             if have != (lo, hi):
                 raise FormatError(f"{tensors_path}: tensor {name!r} holds rows [{have[0]}, {have[1]}) of "
                                   f"{spec['global_shape'][0]}, rank {rank()} of {world_size()} holds [{lo}, {hi})")
-    if shards is not None:
-        shards.update(found)
-    return step, tensors, rest
 
 
 def _read_staged(d, shards=None):

@@ -344,10 +344,11 @@ def is_skeleton(rest):
 
 class _Decoder:
     """Decodes a skeleton read from a checkpoint (``where`` names the file): every tag and type
-    checked, FormatError otherwise."""
+    checked, FormatError otherwise. ``dry``: the tensors hold no data yet (``meta`` tensors),
+    so numpy arrays stay tensors."""
 
-    def __init__(self, tensors, where):
-        self.tensors, self.where = tensors, where
+    def __init__(self, tensors, where, dry=False):
+        self.tensors, self.where, self.dry = tensors, where, dry
 
     def fail(self, at, what):
         raise FormatError(f"{self.where}: {at}: {what}")
@@ -371,7 +372,7 @@ class _Decoder:
             t = self.tensor(x, at)
             if str(t.dtype).removeprefix("torch.") not in _NP_SCALARS:
                 self.fail(at, f"a numpy array stored as a {t.dtype} tensor")
-            return t.numpy()
+            return t if self.dry else t.numpy()
         if tag == "$tuple":
             if not isinstance(x, list):
                 self.fail(at, f"$tuple holds {_describe(x)}, not an array")
@@ -578,10 +579,12 @@ def _what(v):
     return f"a {type(v).__name__}"
 
 
-def apply(state, skeleton, tensors, where, strict=True, shards=None):
+def apply(state, skeleton, tensors, where, strict=True, shards=None, dry_run=False):
     """Fills ``state`` in place from a checkpoint's skeleton and tensors: Stateful entries
     through ``load_state_dict``, plain values set in the mapping. Everything is decoded and
-    checked before anything is loaded. ``where`` names the checkpoint in errors.
+    checked before anything is loaded. ``where`` names the checkpoint in errors. ``dry_run``
+    decodes and checks against ``tensors`` that hold no data yet (``meta`` tensors of the
+    checkpoint's shapes and dtypes) and loads nothing: whatever it raises, the load would.
 
     ``shards`` declares which tensors are this rank's rows of a tensor sharded along dim 0
     (``{name: {"global_shape": [...], "dim0_offset": lo}}``, as the tensor file's
@@ -604,7 +607,7 @@ def apply(state, skeleton, tensors, where, strict=True, shards=None):
         if unknown:
             parts.append(f"holds {', '.join(map(repr, unknown))}, which the state does not name")
         raise StateError(f"{where}: the checkpoint {' and '.join(parts)} (load(..., strict=False) allows it)")
-    d = _Decoder(tensors, where)
+    d = _Decoder(tensors, where, dry=dry_run)
     fit = _Fit(tensors, shards, where)
     plan = []
     for name in sorted(set(entries) & set(state)):
@@ -634,6 +637,8 @@ def apply(state, skeleton, tensors, where, strict=True, shards=None):
         plan.append((name, e["stateful"], value))
     if any(not stateful for _, stateful, _ in plan) and not isinstance(state, MutableMapping):
         raise TypeError("elastic_run: load sets plain values in the state: pass a dict")
+    if dry_run:
+        return
     for name, stateful, value in plan:
         if not stateful:
             state[name] = value
@@ -649,3 +654,59 @@ def apply(state, skeleton, tensors, where, strict=True, shards=None):
         except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
             raise StateError(f"{where}: state[{name!r}]: {type(target).__name__}.load_state_dict refused "
                              f"the checkpoint's state: {e}") from e
+
+
+def destinations(state, skeleton, entries, shards=None):
+    """Where tensors of a checkpoint can be read straight into the state: for each module of
+    ``state`` whose saved ``state_dict()`` names exactly the module's own keys, each as a
+    tensor, the module's own tensors (a DTensor's local shard when the checkpoint holds this
+    rank's rows of it, or all of it for ``Replicate()``), where every one has the dtype and
+    shape of its tensor in the checkpoint (``entries``: name -> :class:`_read.Entry`).
+    Returns ``{tensor name: tensor}``; a module that does not qualify in full is left out, and
+    its tensors are read as before and loaded through ``load_state_dict``. Call it once
+    :func:`apply` has checked the checkpoint against the state (``dry_run``): loading the
+    module afterwards then copies nothing."""
+    import torch
+
+    from ._read import fits
+
+    shards = shards or {}
+    out = {}
+    for name, e in (skeleton.get("entries") or {}).items():
+        target = unwrap(state[name]) if name in state else None
+        value = e.get("value") if isinstance(e, dict) and e.get("stateful") is True else None
+        if not (isinstance(target, torch.nn.Module) and isinstance(value, dict)):
+            continue
+        current = target.state_dict()
+        if set(value) != set(current):
+            continue
+        mine = {}
+        for k, v in value.items():
+            key = v.get("$t") if isinstance(v, dict) and len(v) == 1 else None
+            ent = entries.get(key) if isinstance(key, str) else None
+            dest = _local_destination(current[k], shards.get(key)) if ent is not None else None
+            if dest is None or not fits(dest, ent) or key in mine:
+                mine = None
+                break
+            mine[key] = dest
+        if mine:
+            out.update(mine)
+    return out
+
+
+def _local_destination(current, spec):
+    """The tensor that holds ``current``'s own bytes as a checkpoint tensor declared ``spec``
+    would give them (None when the bytes need cutting first)."""
+    if not is_dtensor(current):
+        return current if spec is None else None
+    layout = _fsdp_layout(current)
+    glob = list(current.shape)
+    if layout == "replicate" and spec is None:
+        return current.to_local()
+    if layout == "shard" and spec is not None and glob and spec["global_shape"] == glob:
+        mesh = current.device_mesh
+        lo, _ = protocol.rows_for_rank(glob[0], mesh.get_local_rank(), mesh.size())
+        if spec["dim0_offset"] == lo:
+            return current.to_local()
+    return None
+

@@ -1,0 +1,211 @@
+"""Reading a safetensors file straight into tensors.
+
+The header is parsed and checked here, by the rules safetensors itself applies: a JSON object
+of at most HEADER_BYTES_MAX bytes, every tensor's dtype known, its byte range the size its
+shape and dtype make, the ranges in order with no gap or overlap, and the file exactly as long
+as they say. Then each tensor is either read with ``preadv`` into a tensor the caller names (a
+module's own parameter: the bytes go from the file into the model in one copy, and several
+reads run at once on a large file, since they release the GIL), or given as a view of a
+private, copy-on-write mapping of the file (optimizer state and the rest): nothing is copied
+until something writes to it, and then only the pages written.
+"""
+
+import ctypes
+import mmap
+import os
+import stat
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
+from .protocol import FormatError, _describe, _is_int, _parse_json
+
+# safetensors' own bound on the header.
+HEADER_BYTES_MAX = 100_000_000
+# One preadv at most (Linux reads at most 2 GiB - 4 KiB per call).
+_READ_BYTES_MAX = 1 << 30
+# Files at least this big are read by several threads, each taking whole tensors.
+_PARALLEL_BYTES_MIN = 64 << 20
+_THREADS_MAX = 4
+
+# safetensors dtype -> (torch dtype name, bytes per element).
+_DTYPES = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
+    "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1),
+    "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+}
+
+
+class Entry:
+    """One tensor of the file: name, safetensors dtype, shape, and its byte range in the file."""
+
+    __slots__ = ("name", "dtype", "shape", "start", "nbytes")
+
+    def __init__(self, name, dtype, shape, start, nbytes):
+        self.name, self.dtype, self.shape, self.start, self.nbytes = name, dtype, shape, start, nbytes
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, _DTYPES[self.dtype][0])
+
+
+class TensorFile:
+    """An open safetensors file whose header has been checked: ``entries`` (name -> Entry, in
+    file order), ``metadata`` (its ``__metadata__``). Close it, or use it in a ``with``."""
+
+    def __init__(self, path):
+        self.path = path
+        self._map = None
+        try:
+            # Non-blocking: a FIFO in its place must not hang the open.
+            self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            raise FormatError(f"{path}: missing") from None
+        try:
+            st = os.fstat(self.fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FormatError(f"{path}: not a regular file")
+            self.size = st.st_size
+            self.entries, self.metadata, self.data_start = self._header()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _bad(self, what):
+        return FormatError(f"{self.path}: not a safetensors file: {what}")
+
+    def _header(self):
+        if self.size < 8:
+            raise self._bad(f"{self.size} bytes, shorter than the header length")
+        (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        if n > HEADER_BYTES_MAX:
+            raise self._bad(f"a header of {n} bytes, over the limit of {HEADER_BYTES_MAX}")
+        if 8 + n > self.size:
+            raise self._bad(f"a header of {n} bytes in a file of {self.size}")
+        raw = self._pread_bytes(n, 8)
+        header = _parse_json(raw, f"{self.path}: header")
+        if not isinstance(header, dict):
+            raise self._bad(f"the header is {_describe(header)}, not a JSON object")
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise self._bad("__metadata__ is not an object of strings")
+        entries = []
+        for name, spec in header.items():
+            if not (isinstance(spec, dict) and set(spec) == {"dtype", "shape", "data_offsets"}):
+                raise self._bad(f"tensor {name!r} is {_describe(spec)}, not {{dtype, shape, data_offsets}}")
+            dtype, shape, offs = spec["dtype"], spec["shape"], spec["data_offsets"]
+            if dtype not in _DTYPES:
+                raise self._bad(f"tensor {name!r} has the unknown dtype {_describe(dtype)}")
+            if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
+                raise self._bad(f"tensor {name!r} has the shape {_describe(shape)}")
+            if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)
+                    and 0 <= offs[0] <= offs[1]):
+                raise self._bad(f"tensor {name!r} has the data offsets {_describe(offs)}")
+            numel = 1
+            for d in shape:
+                numel *= d
+            if offs[1] - offs[0] != numel * _DTYPES[dtype][1]:
+                raise self._bad(f"tensor {name!r}: {offs[1] - offs[0]} bytes for shape {shape} of {dtype}")
+            entries.append(Entry(name, dtype, tuple(shape), offs[0], offs[1] - offs[0]))
+        entries.sort(key=lambda e: (e.start, e.nbytes))
+        at = 0
+        for e in entries:
+            if e.start != at:
+                raise self._bad(f"tensor {e.name!r} starts at byte {e.start} of the data, not {at}")
+            at += e.nbytes
+        data_start = 8 + n
+        if data_start + at != self.size:
+            raise self._bad(f"the tensors end at byte {data_start + at}, the file at {self.size}")
+        return {e.name: e for e in entries}, metadata, data_start
+
+    def _pread_bytes(self, n, offset):
+        buf = bytearray(n)
+        self._readinto(memoryview(buf), offset)
+        return bytes(buf)
+
+    def _readinto(self, mv, offset):
+        """Fills ``mv`` from byte ``offset``; a file that ends early (cut after it was
+        checked) is a FormatError."""
+        done = 0
+        while done < len(mv):
+            n = os.preadv(self.fd, [mv[done:done + _READ_BYTES_MAX]], offset + done)
+            if n == 0:
+                raise FormatError(f"{self.path}: ended at byte {offset + done}, its header says "
+                                  f"{offset + len(mv)}: cut while it was read")
+            done += n
+
+    def read(self, into=None):
+        """Every tensor, name -> tensor: read into ``into[name]`` when given there (a contiguous
+        CPU tensor of its dtype and shape, which is returned for it), else a copy-on-write view
+        of the file (a new tensor read from it where the bytes are not aligned to its dtype)."""
+        import torch
+
+        into = into or {}
+        out, jobs = {}, []
+        for e in self.entries.values():
+            dest = into.get(e.name)
+            if dest is not None:
+                if not fits(dest, e):
+                    raise ValueError(f"{self.path}: tensor {e.name!r} cannot be read into {_what(dest)}")
+            elif e.nbytes and (self.data_start + e.start) % _DTYPES[e.dtype][1] == 0:
+                out[e.name] = self._view(e)
+                continue
+            else:
+                dest = torch.empty(e.shape, dtype=e.torch_dtype())
+            out[e.name] = dest
+            if e.nbytes:
+                jobs.append((e, dest))
+        total = sum(e.nbytes for e, _ in jobs)
+        threads = min(_THREADS_MAX, os.cpu_count() or 1, len(jobs))
+        if total < _PARALLEL_BYTES_MIN or threads < 2:
+            for e, dest in jobs:
+                self._read_one(e, dest)
+            return out
+        # Largest first, so the threads finish together.
+        jobs.sort(key=lambda j: -j[0].nbytes)
+        with ThreadPoolExecutor(threads, thread_name_prefix="elastic-run-read") as pool:
+            for f in [pool.submit(self._read_one, e, dest) for e, dest in jobs]:
+                f.result()
+        return out
+
+    def _view(self, e):
+        """Entry ``e`` as a view of the file's private mapping (made on first use): its pages
+        are the file's until written, then the writer's own."""
+        import torch
+
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_COPY)
+        numel = e.nbytes // _DTYPES[e.dtype][1]
+        return torch.frombuffer(self._map, dtype=e.torch_dtype(), count=numel,
+                                offset=self.data_start + e.start).reshape(e.shape)
+
+    def _read_one(self, e, dest):
+        mv = memoryview((ctypes.c_char * e.nbytes).from_address(dest.data_ptr())).cast("B")
+        self._readinto(mv, self.data_start + e.start)
+
+
+def fits(t, e):
+    """Whether tensor ``t`` can take entry ``e``'s bytes as they are: a dense, contiguous CPU
+    tensor of its dtype and shape (a parameter's own tensor qualifies: its memory is written
+    directly, outside autograd)."""
+    import torch
+
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+            and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and tuple(t.shape) == e.shape and t.dtype == e.torch_dtype())
+
+
+def _what(t):
+    return f"a {str(t.dtype).removeprefix('torch.')} tensor of shape {list(t.shape)} on {t.device}"
