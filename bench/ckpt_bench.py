@@ -383,6 +383,17 @@ def dcp_s3_once(a):
 # --- restore ----------------------------------------------------------------------------------
 
 
+def drop_caches():
+    """Writes dirty pages back and drops the clean page cache, so the next read of a local disk
+    is cold (tmpfs, where staging lives, is memory and stays). Needs root."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+    except OSError as e:
+        raise RuntimeError(f"a cold-cache run needs to write /proc/sys/vm/drop_caches (root): {e}") from None
+
+
 def bench_restore(a, model, opt, base, disk, moto):
     init_gloo()
     ckpt, store = tool("ELASTIC_CKPT"), tool("BENCH_STORE")
@@ -498,8 +509,17 @@ def bench_restore(a, model, opt, base, disk, moto):
             return {"restore_s": js["seconds"], "bytes_read": js["bytes"]}
         return run
 
+    def cold(fn):
+        def run():
+            drop_caches()
+            return fn()
+        return run
+
     methods = [
         ("checkpoint restore + elastic_run.load, world 2->2 (file)", m_er("file", 2)),
+        ("checkpoint restore + elastic_run.load, world 2->2 (file, cold cache)", cold(m_er("file", 2))),
+        ("dcp.load (file, cold cache)", cold(m_dcp)),
+        ("raw object_store get of the step (file, cold cache)", cold(m_raw("file"))),
         ("checkpoint restore + elastic_run.load, world 2->3 (file)", m_er("file", 3)),
         ("raw object_store get of the step (file)", m_raw("file")),
         ("checkpoint restore only, row-sharded state, world 2->2 (file)", m_shard(2)),

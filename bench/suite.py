@@ -263,7 +263,7 @@ def table_durable(rows):
                    "| stored | uploader CPU |")
         out.append("|---|---|---|---|---|---|---|---|")
         for (m,), mr in by.items():
-            store = "s3" if "(s3)" in m else "file"
+            store = "s3" if "(s3)" in m else ("file, cold cache" if "cold cache" in m else "file")
             ref_rows = by.get((f"elastic_run.save + checkpoint push ({store})",), [])
             ref = med(ref_rows, "durable_s")
             s = med(mr, "durable_s")
@@ -278,11 +278,12 @@ def table_restore(rows):
         nbytes = rs[0]["state_bytes"]
         by = group(rs, "method")
         out.append(f"\n**{fmt_b(nbytes)} of state**, saved by a world of 2 (restore = newest step -> this "
-                   "rank's tensors in the model and optimizer; page cache warm)\n")
+                   "rank's tensors in the model and optimizer; page cache warm, or dropped before each "
+                   "\"cold cache\" row)\n")
         out.append("| method | restore (median) | range | n | fetch / load | ÷ elastic-run 2->2 (same store) | bytes read | bytes needed | read ÷ needed |")
         out.append("|---|---|---|---|---|---|---|---|---|")
         for (m,), mr in by.items():
-            store = "s3" if "(s3)" in m else "file"
+            store = "s3" if "(s3)" in m else ("file, cold cache" if "cold cache" in m else "file")
             ref = med(by.get((f"checkpoint restore + elastic_run.load, world 2->2 ({store})",), []), "restore_s")
             s = med(mr, "restore_s")
             br = med(mr, "bytes_read")

@@ -8,188 +8,27 @@
 //!     bench_store raw-get URL [--concurrency 8]
 //!         Reads every object under URL (whole objects, several at a time).
 //!     bench_store restore URL DEST --rank R --world W [--step N] [--concurrency 8]
-//!         `Store::restore` of the newest committed step (or N) for rank R of W into DEST, through
-//!         a wrapper that counts the bytes every GET returned.
+//!         `Store::restore` of the newest committed step (or N) for rank R of W into DEST, with
+//!         the bytes it read (`Store::read_stats`: every GET and local read of an object,
+//!         manifests included).
 //!
 //! URLs: `file:///abs/dir` or `s3://bucket/prefix` (S3 settings from `AWS_*`, as the agent reads
 //! them). Defaults match the agent's: 32 MiB chunks, 4 uploads and 8 reads in flight.
 
-use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use bytes::Bytes;
-use futures::stream::BoxStream;
-use futures::{Future, StreamExt, TryStreamExt};
+use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path as ObjPath;
-use object_store::{
-    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
-    ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult, RenameOptions,
-};
+use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt, PutPayload};
 
 const CHUNK_MIB_DEFAULT: usize = 32;
 const PUT_CONCURRENCY_DEFAULT: usize = 4;
 const GET_CONCURRENCY_DEFAULT: usize = 8;
 /// Largest number of objects `raw-get` reads (a checkpoint of a few GiB has a few hundred).
 const OBJECTS_MAX: usize = 100_000;
-
-type BoxFut<'a, T> = Pin<Box<dyn Future<Output = object_store::Result<T>> + Send + 'a>>;
-
-/// Counts what reads returned: the length of every GET's range (HEADs excluded) and of every
-/// ranged read. Everything else passes through.
-#[derive(Debug)]
-struct Counting {
-    inner: Arc<dyn ObjectStore>,
-    bytes_read: AtomicU64,
-    gets: AtomicU64,
-}
-
-impl std::fmt::Display for Counting {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Counting({})", self.inner)
-    }
-}
-
-// `ObjectStore` is an `async_trait`; these are its methods written out, so the example needs no
-// extra dependency.
-impl ObjectStore for Counting {
-    fn put_opts<'a, 'b, 'c>(
-        &'a self,
-        location: &'b ObjPath,
-        payload: PutPayload,
-        opts: PutOptions,
-    ) -> BoxFut<'c, PutResult>
-    where
-        'a: 'c,
-        'b: 'c,
-        Self: 'c,
-    {
-        self.inner.put_opts(location, payload, opts)
-    }
-
-    fn put_multipart_opts<'a, 'b, 'c>(
-        &'a self,
-        location: &'b ObjPath,
-        opts: PutMultipartOptions,
-    ) -> BoxFut<'c, Box<dyn MultipartUpload>>
-    where
-        'a: 'c,
-        'b: 'c,
-        Self: 'c,
-    {
-        self.inner.put_multipart_opts(location, opts)
-    }
-
-    fn get_opts<'a, 'b, 'c>(
-        &'a self,
-        location: &'b ObjPath,
-        options: GetOptions,
-    ) -> BoxFut<'c, GetResult>
-    where
-        'a: 'c,
-        'b: 'c,
-        Self: 'c,
-    {
-        Box::pin(async move {
-            let head = options.head;
-            let r = self.inner.get_opts(location, options).await?;
-            if !head {
-                self.gets.fetch_add(1, Ordering::Relaxed);
-                self.bytes_read
-                    .fetch_add(r.range.end - r.range.start, Ordering::Relaxed);
-            }
-            Ok(r)
-        })
-    }
-
-    fn get_ranges<'a, 'b, 'r, 'c>(
-        &'a self,
-        location: &'b ObjPath,
-        ranges: &'r [Range<u64>],
-    ) -> BoxFut<'c, Vec<Bytes>>
-    where
-        'a: 'c,
-        'b: 'c,
-        'r: 'c,
-        Self: 'c,
-    {
-        Box::pin(async move {
-            let out = self.inner.get_ranges(location, ranges).await?;
-            self.gets.fetch_add(ranges.len() as u64, Ordering::Relaxed);
-            self.bytes_read
-                .fetch_add(out.iter().map(|b| b.len() as u64).sum(), Ordering::Relaxed);
-            Ok(out)
-        })
-    }
-
-    fn delete_stream(
-        &self,
-        locations: BoxStream<'static, object_store::Result<ObjPath>>,
-    ) -> BoxStream<'static, object_store::Result<ObjPath>> {
-        self.inner.delete_stream(locations)
-    }
-
-    fn list(
-        &self,
-        prefix: Option<&ObjPath>,
-    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        self.inner.list(prefix)
-    }
-
-    fn list_with_offset(
-        &self,
-        prefix: Option<&ObjPath>,
-        offset: &ObjPath,
-    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        self.inner.list_with_offset(prefix, offset)
-    }
-
-    fn list_with_delimiter<'a, 'b, 'c>(
-        &'a self,
-        prefix: Option<&'b ObjPath>,
-    ) -> BoxFut<'c, ListResult>
-    where
-        'a: 'c,
-        'b: 'c,
-        Self: 'c,
-    {
-        self.inner.list_with_delimiter(prefix)
-    }
-
-    fn copy_opts<'a, 'b, 'd, 'c>(
-        &'a self,
-        from: &'b ObjPath,
-        to: &'d ObjPath,
-        options: CopyOptions,
-    ) -> BoxFut<'c, ()>
-    where
-        'a: 'c,
-        'b: 'c,
-        'd: 'c,
-        Self: 'c,
-    {
-        self.inner.copy_opts(from, to, options)
-    }
-
-    fn rename_opts<'a, 'b, 'd, 'c>(
-        &'a self,
-        from: &'b ObjPath,
-        to: &'d ObjPath,
-        options: RenameOptions,
-    ) -> BoxFut<'c, ()>
-    where
-        'a: 'c,
-        'b: 'c,
-        'd: 'c,
-        Self: 'c,
-    {
-        self.inner.rename_opts(from, to, options)
-    }
-}
 
 /// An `object_store` backend, the key prefix inside it and, for `file://`, its root directory.
 fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, String, Option<PathBuf>)> {
@@ -311,13 +150,7 @@ async fn restore(
     world: u32,
     concurrency: usize,
 ) -> Result<serde_json::Value> {
-    let (inner, prefix, _) = open(url)?;
-    let counting = Arc::new(Counting {
-        inner,
-        bytes_read: AtomicU64::new(0),
-        gets: AtomicU64::new(0),
-    });
-    let store = checkpoint::Store::from_object_store(counting.clone(), &prefix, url);
+    let store = checkpoint::Store::open(url)?;
     let cancel = checkpoint::CancellationToken::new();
     let opts = checkpoint::ReadOptions {
         concurrency: concurrency.max(1),
@@ -329,16 +162,13 @@ async fn restore(
         .restore(step, rank, world, dest, &opts, &cancel)
         .await?;
     let secs = t.elapsed().as_secs_f64();
-    let (read, gets) = (
-        counting.bytes_read.load(Ordering::Relaxed),
-        counting.gets.load(Ordering::Relaxed),
-    );
+    let read = store.read_stats();
     // Outside the timed part: the step's sizes, for "read vs stored vs needed".
     let m = store.read_manifest(report.step, &cancel).await?;
     Ok(serde_json::json!({
         "op": "restore", "seconds": secs, "step": report.step, "rank": rank, "world": world,
         "saved_world": m.world_size, "tensors": report.tensors,
-        "bytes_needed": report.bytes, "bytes_read": read, "gets": gets,
+        "bytes_needed": report.bytes, "bytes_read": read.bytes, "gets": read.gets,
         "step_stored_bytes": m.stored_bytes(), "step_raw_bytes": m.raw_bytes(),
     }))
 }
