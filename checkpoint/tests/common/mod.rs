@@ -202,15 +202,28 @@ pub fn global_state() -> (Vec<T>, Vec<T>) {
     (sharded, replicated)
 }
 
-/// Saves the global state from `world` writers as FSDP would: each writer holds its rows of
-/// the sharded tensors, and the replicated tensors are split between writers (round robin:
-/// any split that writes each once will do; the workers split by bytes).
+/// Saves the global state from `world` writers as FSDP would; see [`save_rows`].
 pub async fn save_sharded(store: &Store, step: u64, world: u32) {
     let (sharded, replicated) = global_state();
+    save_rows(store, step, world, &sharded, &replicated, &small_chunks()).await;
+}
+
+/// Saves `sharded` and `replicated` from `world` writers as FSDP would, and commits the step:
+/// each writer holds its rows of the sharded tensors, and the replicated tensors are split
+/// between writers (round robin: any split that writes each once will do; the workers split
+/// by bytes).
+pub async fn save_rows(
+    store: &Store,
+    step: u64,
+    world: u32,
+    sharded: &[T],
+    replicated: &[T],
+    opts: &SaveOptions,
+) {
     for rank in 0..world {
         let mut mine = Vec::new();
         let mut shards = BTreeMap::new();
-        for t in &sharded {
+        for t in sharded {
             let (lo, hi) = rows_for_rank(t.shape[0] as u64, rank, world);
             let mut shape = t.shape.clone();
             shape[0] = (hi - lo) as usize;
@@ -241,10 +254,7 @@ pub async fn save_sharded(store: &Store, step: u64, world: u32) {
             )]),
             shards,
         };
-        store
-            .save_part(step, input, &small_chunks(), &cancel())
-            .await
-            .unwrap();
+        store.save_part(step, input, opts, &cancel()).await.unwrap();
     }
     let writers: Vec<String> = (0..world).map(|r| format!("rank-{r}")).collect();
     let writers: Vec<&str> = writers.iter().map(String::as_str).collect();

@@ -7,12 +7,11 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use checkpoint::format::ShardSpec;
 use checkpoint::restore::{RESTORE_FILE, rows_for_rank};
 use checkpoint::{PartInput, PartSource, ReadOptions, SaveOptions, Store};
 use safetensors::SafeTensors;
 
-use crate::common::{T, cancel, commit, rows, st_bytes, tensor};
+use crate::common::{self, T, cancel, rows, st_bytes, tensor};
 
 /// Raw chunks of 1 MiB: four and a bit blocks each, so tensors and row ranges start and end
 /// inside blocks and across chunk boundaries.
@@ -39,44 +38,7 @@ fn state() -> (Vec<T>, Vec<T>) {
 /// Saves `state()` from 2 writers as FSDP would, and commits it as `step`.
 async fn save(store: &Store, step: u64) {
     let (sharded, replicated) = state();
-    for rank in 0..2u32 {
-        let mut mine = Vec::new();
-        let mut shards = BTreeMap::new();
-        for t in &sharded {
-            let (lo, hi) = rows_for_rank(t.shape[0] as u64, rank, 2);
-            let mut shape = t.shape.clone();
-            shape[0] = (hi - lo) as usize;
-            mine.push(T {
-                name: t.name.clone(),
-                dtype: t.dtype,
-                shape,
-                data: rows(t, lo as usize, hi as usize),
-            });
-            shards.insert(
-                t.name.clone(),
-                ShardSpec {
-                    global_shape: t.shape.iter().map(|d| *d as u64).collect(),
-                    dim0_offset: lo,
-                },
-            );
-        }
-        if rank == 1 {
-            mine.extend(replicated.iter().cloned());
-        }
-        let input = PartInput {
-            writer: format!("rank-{rank}"),
-            source: PartSource::Buffers(vec![(
-                format!("rank-{rank}.safetensors"),
-                st_bytes(&mine, None).into(),
-            )]),
-            shards,
-        };
-        store
-            .save_part(step, input, &raw_chunks(), &cancel())
-            .await
-            .unwrap();
-    }
-    commit(store, step, &["rank-0", "rank-1"], 2).await;
+    common::save_rows(store, step, 2, &sharded, &replicated, &raw_chunks()).await;
 }
 
 async fn restore(store: &Store, step: Option<u64>, rank: u32, world: u32) -> (u64, Vec<u8>) {
