@@ -226,9 +226,7 @@ impl Store {
     /// On `file://`, the file that holds `key` (read only through
     /// [`crate::local::open_regular`]: never a symlink, never a FIFO).
     pub(crate) fn local_file(&self, key: &str) -> Option<PathBuf> {
-        self.local_root
-            .as_ref()
-            .map(|root| root.join(self.path(key).as_ref()))
+        self.local_object(key).map(|(root, rel)| root.join(rel))
     }
 
     /// On `file://`, the store's root directory and `key`'s path under it (with the store's
@@ -419,8 +417,7 @@ impl Store {
     /// The size of an object. On `file://` from `lstat`, since `object_store` opens the file
     /// to stat it, and opening a FIFO blocks.
     pub(crate) async fn head(&self, key: &str, cancel: &CancellationToken) -> Result<u64> {
-        if let Some(root) = &self.local_root {
-            let file = root.join(self.path(key).as_ref());
+        if let Some(file) = self.local_file(key) {
             let kind_of = |kind| Error::Store {
                 store: self.display.clone(),
                 op: "head",
@@ -599,10 +596,9 @@ impl Store {
 
     /// On `file://`, makes a written object durable: fsync the file and its directory.
     async fn fsync_local(&self, key: &str) -> Result<()> {
-        let Some(root) = &self.local_root else {
+        let Some(file) = self.local_file(key) else {
             return Ok(());
         };
-        let file = root.join(self.path(key).as_ref());
         tokio::task::spawn_blocking(move || crate::local::fsync_file_and_dir(&file))
             .await
             .map_err(|e| Error::task_failed("fsync", e))?

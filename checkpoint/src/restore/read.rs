@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use super::ReadOptions;
 use crate::codec;
 use crate::error::{Error, Result};
-use crate::format::Manifest;
+use crate::format::{Manifest, ObjectEntry};
 use crate::store::Store;
 
 /// Reads of a large object from a remote store are cut into ranges of this size...
@@ -38,6 +38,18 @@ impl Store {
         }
     }
 
+    /// The error for object `o` of `step` found to be `size` bytes long.
+    pub(super) fn truncated(&self, step: u64, o: &ObjectEntry, size: u64) -> Error {
+        self.corrupt(
+            step,
+            &o.key,
+            format!(
+                "truncated or extended: {size} bytes, manifest says {}",
+                o.stored_bytes
+            ),
+        )
+    }
+
     /// Fetches the stored bytes of object `idx`, checking length and stored checksum.
     pub(crate) async fn fetch_stored(
         &self,
@@ -52,14 +64,7 @@ impl Store {
             // that look transient on some stores.
             let size = self.head(&o.key, cancel).await?;
             if size != o.stored_bytes {
-                return Err(self.corrupt(
-                    m.step,
-                    &o.key,
-                    format!(
-                        "truncated or extended: {size} bytes, manifest says {}",
-                        o.stored_bytes
-                    ),
-                ));
+                return Err(self.truncated(m.step, o, size));
             }
             self.fetch_ranges(m.step, &o.key, o.stored_bytes, cancel)
                 .await?
@@ -68,15 +73,7 @@ impl Store {
             self.get(&o.key, cancel).await?
         };
         if data.len() as u64 != o.stored_bytes {
-            return Err(self.corrupt(
-                m.step,
-                &o.key,
-                format!(
-                    "truncated or extended: {} bytes, manifest says {}",
-                    data.len(),
-                    o.stored_bytes
-                ),
-            ));
+            return Err(self.truncated(m.step, o, data.len() as u64));
         }
         let crc = crc32c::crc32c(&data);
         if crc != o.stored_crc32c {

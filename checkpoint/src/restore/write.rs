@@ -284,17 +284,6 @@ impl Store {
         Ok(f)
     }
 
-    fn truncated(&self, step: u64, o: &ObjectEntry, size: u64) -> Error {
-        self.corrupt(
-            step,
-            &o.key,
-            format!(
-                "truncated or extended: {size} bytes, manifest says {}",
-                o.stored_bytes
-            ),
-        )
-    }
-
     /// Streams raw object `o` from its open file `f` into the output `files` as `ops` say:
     /// [`STREAM_BLOCK_BYTES`] at a time, each block read, added to the checksum and written out
     /// while it is still in the core's cache, so the bytes are touched once and memory holds
