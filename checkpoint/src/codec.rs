@@ -9,6 +9,9 @@
 
 use serde::{Deserialize, Serialize};
 
+mod stream;
+pub use stream::ChunkDecoder;
+
 /// zstd level used for chunks: level 1 is the speed/ratio sweet spot on weights.
 pub const ZSTD_LEVEL: i32 = 1;
 /// A compressed form is kept only when it is at most this fraction of the input (in 1/1000).
@@ -94,20 +97,6 @@ fn extract_plane(raw: &[u8], w: usize, k: usize, plane: &mut [u8]) {
     }
 }
 
-/// The inverse of [`extract_plane`].
-fn scatter_plane(out: &mut [u8], w: usize, k: usize, plane: &[u8]) {
-    fn go<const W: usize>(out: &mut [u8], k: usize, plane: &[u8]) {
-        for (src, el) in plane.iter().zip(out.chunks_exact_mut(W)) {
-            el[k] = *src;
-        }
-    }
-    match w {
-        2 => go::<2>(out, k, plane),
-        4 => go::<4>(out, k, plane),
-        _ => go::<8>(out, k, plane),
-    }
-}
-
 /// Bytes compressed to probe whether a large buffer compresses at all.
 const PROBE_BYTES: usize = 256 * 1024;
 
@@ -174,35 +163,23 @@ pub fn encode(raw: &[u8], plane_width: Option<u8>, compress: bool) -> (Vec<u8>, 
 /// Decodes a stored chunk into exactly `raw_bytes` bytes. Never allocates more than
 /// `raw_bytes` for the output; any disagreement is an error string naming what is off.
 pub fn decode(stored: &[u8], codec: &Codec, raw_bytes: u64) -> Result<Vec<u8>, String> {
-    codec.check(raw_bytes, stored.len() as u64)?;
-    let raw_len = usize::try_from(raw_bytes).map_err(|_| "raw length does not fit in memory")?;
-    let out = match codec {
-        Codec::Raw => stored.to_vec(),
-        Codec::Zstd => unzstd(stored, raw_len)?,
-        Codec::ZstdPlanes { width, planes } => {
-            let w = usize::from(*width);
-            let plane_len = raw_len / w;
-            let mut out = vec![0u8; raw_len];
-            let mut pos = 0usize;
-            for (k, p) in planes.iter().enumerate() {
-                let n = p.stored_bytes as usize;
-                let src = &stored[pos..pos + n];
-                pos += n;
-                let plane = if p.zstd {
-                    std::borrow::Cow::Owned(unzstd(src, plane_len)?)
-                } else {
-                    std::borrow::Cow::Borrowed(src)
-                };
-                scatter_plane(&mut out[..plane_len * w], w, k, &plane);
-            }
-            out[plane_len * w..].copy_from_slice(&stored[pos..]);
-            out
-        }
+    let mut d = ChunkDecoder::new(codec, raw_bytes, stored.len() as u64, 1 << 20)?;
+    let mut out = Vec::with_capacity(usize::try_from(raw_bytes).unwrap_or(0));
+    let mut sink = |_: u64, b: &[u8]| {
+        out.extend_from_slice(b);
+        Ok::<_, std::convert::Infallible>(())
     };
+    let never = |e: BlocksError<std::convert::Infallible>| match e {
+        BlocksError::Codec(reason) => reason,
+        BlocksError::Sink(never) => match never {},
+    };
+    d.push(bytes::Bytes::copy_from_slice(stored), &mut sink)
+        .map_err(never)?;
+    d.finish(&mut sink).map_err(never)?;
     Ok(out)
 }
 
-/// Why [`decode_blocks`] stopped: the stored bytes do not decode as the codec says, or the
+/// Why a [`ChunkDecoder`] stopped: the stored bytes do not decode as the codec says, or the
 /// sink refused a block.
 #[derive(Debug)]
 pub enum BlocksError<E> {
@@ -211,95 +188,27 @@ pub enum BlocksError<E> {
 }
 
 /// Decodes a stored chunk as [`decode`] does, without ever holding the decoded chunk: its
-/// bytes go to `sink(offset, bytes)` in order, in blocks of at most `block_bytes`, each handed
-/// over while it is still in cache. Returns the crc32c of all of them, for the caller to check
-/// before it trusts what the sink wrote. A raw chunk is handed over in place; a `zstd` chunk
-/// streams through one block of buffer; a `zstd-planes` chunk holds its decompressed planes
-/// (the size of the chunk) and interleaves them into one block at a time.
+/// bytes go to `sink(offset, bytes)` in order, in blocks of at most `block_bytes`; see
+/// [`ChunkDecoder`], which this feeds with `stored` in pieces of `piece_bytes`. Returns the
+/// crc32c of the decoded bytes, for the caller to check before it trusts what the sink wrote.
 pub fn decode_blocks<E>(
     stored: &[u8],
     codec: &Codec,
     raw_bytes: u64,
     block_bytes: usize,
+    piece_bytes: usize,
     mut sink: impl FnMut(u64, &[u8]) -> Result<(), E>,
 ) -> Result<u32, BlocksError<E>> {
-    codec
-        .check(raw_bytes, stored.len() as u64)
+    let mut d = ChunkDecoder::new(codec, raw_bytes, stored.len() as u64, block_bytes)
         .map_err(BlocksError::Codec)?;
-    let raw_len = usize::try_from(raw_bytes)
-        .map_err(|_| BlocksError::Codec("raw length does not fit in memory".into()))?;
-    let block_bytes = block_bytes.max(8);
-    let mut crc = 0u32;
-    let mut emit = |at: usize, b: &[u8]| {
-        crc = crc32c::crc32c_append(crc, b);
-        sink(at as u64, b).map_err(BlocksError::Sink)
-    };
-    match codec {
-        Codec::Raw => {
-            for (i, b) in stored.chunks(block_bytes).enumerate() {
-                emit(i * block_bytes, b)?;
-            }
-        }
-        Codec::Zstd => {
-            use std::io::Read;
-            let mut d = zstd::stream::read::Decoder::with_buffer(stored)
-                .map_err(|e| BlocksError::Codec(format!("zstd: {e}")))?;
-            let mut buf = vec![0u8; block_bytes.min(raw_len.max(1))];
-            let mut at = 0usize;
-            while at < raw_len {
-                let n = (raw_len - at).min(buf.len());
-                d.read_exact(&mut buf[..n]).map_err(|e| {
-                    BlocksError::Codec(if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                        format!("zstd frame ends before {raw_len} bytes")
-                    } else {
-                        format!("zstd: {e}")
-                    })
-                })?;
-                emit(at, &buf[..n])?;
-                at += n;
-            }
-            let mut more = [0u8; 1];
-            if d.read(&mut more)
-                .map_err(|e| BlocksError::Codec(format!("zstd: {e}")))?
-                != 0
-            {
-                return Err(BlocksError::Codec(format!(
-                    "zstd frame decodes to more than {raw_len} bytes"
-                )));
-            }
-        }
-        Codec::ZstdPlanes { width, planes } => {
-            let w = usize::from(*width);
-            let plane_len = raw_len / w;
-            let mut pos = 0usize;
-            let mut decoded = Vec::with_capacity(w);
-            for p in planes {
-                let n = p.stored_bytes as usize;
-                let src = &stored[pos..pos + n];
-                pos += n;
-                decoded.push(if p.zstd {
-                    std::borrow::Cow::Owned(unzstd(src, plane_len).map_err(BlocksError::Codec)?)
-                } else {
-                    std::borrow::Cow::Borrowed(src)
-                });
-            }
-            let views: Vec<&[u8]> = decoded.iter().map(|p| &p[..]).collect();
-            let per_block = (block_bytes / w).max(1);
-            let mut buf = vec![0u8; (per_block * w).min(plane_len * w).max(1)];
-            let mut e0 = 0usize;
-            while e0 < plane_len {
-                let e1 = (e0 + per_block).min(plane_len);
-                let out = &mut buf[..(e1 - e0) * w];
-                gather_planes(&views, w, e0, out);
-                emit(e0 * w, out)?;
-                e0 = e1;
-            }
-            if pos < stored.len() {
-                emit(plane_len * w, &stored[pos..])?;
-            }
-        }
+    let stored = bytes::Bytes::copy_from_slice(stored);
+    let mut at = 0;
+    while at < stored.len() {
+        let n = piece_bytes.max(1).min(stored.len() - at);
+        d.push(stored.slice(at..at + n), &mut sink)?;
+        at += n;
     }
-    Ok(crc)
+    Ok(d.finish(&mut sink)?.1)
 }
 
 /// Elements `[e0, e0 + out.len() / w)` of width `w` put back together from their byte
@@ -341,17 +250,6 @@ fn gather_planes(planes: &[&[u8]], w: usize, e0: usize, out: &mut [u8]) {
             }
         }
     }
-}
-
-fn unzstd(src: &[u8], len: usize) -> Result<Vec<u8>, String> {
-    let out = zstd::bulk::decompress(src, len).map_err(|e| format!("zstd: {e}"))?;
-    if out.len() != len {
-        return Err(format!(
-            "zstd frame decodes to {} bytes, expected {len}",
-            out.len()
-        ));
-    }
-    Ok(out)
 }
 
 #[cfg(test)]
@@ -404,9 +302,10 @@ mod tests {
         codec: &Codec,
         raw: u64,
         block: usize,
+        piece: usize,
     ) -> Result<(Vec<u8>, u32), String> {
         let mut out = Vec::new();
-        let crc = decode_blocks(stored, codec, raw, block, |at, b| {
+        let crc = decode_blocks(stored, codec, raw, block, piece, |at, b| {
             assert_eq!(at, out.len() as u64, "blocks come in order, without gaps");
             assert!(!b.is_empty() && b.len() <= block.max(8));
             out.extend_from_slice(b);
@@ -435,9 +334,22 @@ mod tests {
                 for (input, compress) in [(&data, false), (&data, true), (&zeros, true)] {
                     let (stored, codec) = encode(input, width, compress);
                     for block in [1usize, 7, 8, 100, 4096, 1 << 20] {
-                        let (got, crc) = blocks(&stored, &codec, len as u64, block).unwrap();
-                        assert_eq!(&got, input, "{dtype} len {len} {codec:?} block {block}");
-                        assert_eq!(crc, crc32c::crc32c(input));
+                        // The stored bytes arrive in pieces that cut planes, frames and the
+                        // tail anywhere.
+                        let pieces: &[usize] = if len <= 1023 {
+                            &[1, 7, 1000, usize::MAX]
+                        } else {
+                            &[7, 1000, usize::MAX]
+                        };
+                        for &piece in pieces {
+                            let (got, crc) =
+                                blocks(&stored, &codec, len as u64, block, piece).unwrap();
+                            assert_eq!(
+                                &got, input,
+                                "{dtype} len {len} {codec:?} block {block} piece {piece}"
+                            );
+                            assert_eq!(crc, crc32c::crc32c(input));
+                        }
                     }
                 }
             }
@@ -450,23 +362,23 @@ mod tests {
         let (stored, codec) = encode(&data, Some(4), true);
         assert_eq!(codec.name(), "zstd-planes");
         let n = data.len() as u64;
-        assert!(blocks(&stored, &codec, n + 1, 4096).is_err());
-        assert!(blocks(&stored[..stored.len() - 1], &codec, n, 4096).is_err());
+        assert!(blocks(&stored, &codec, n + 1, 4096, 100).is_err());
+        assert!(blocks(&stored[..stored.len() - 1], &codec, n, 4096, 100).is_err());
         let mut bad = stored.clone();
         bad[10] ^= 0xff;
-        if let Ok((got, crc)) = blocks(&bad, &codec, n, 4096) {
+        if let Ok((got, crc)) = blocks(&bad, &codec, n, 4096, 100) {
             assert!(got != data && crc != crc32c::crc32c(&data));
         }
         let zeros = vec![0u8; 50_000];
         let (z, zc) = encode(&zeros, None, true);
         assert_eq!(zc, Codec::Zstd);
-        let short = blocks(&z, &zc, 50_001, 4096).unwrap_err();
+        let short = blocks(&z, &zc, 50_001, 4096, 100).unwrap_err();
         assert!(short.contains("ends before"), "{short}");
-        let long = blocks(&z, &zc, 49_999, 4096).unwrap_err();
+        let long = blocks(&z, &zc, 49_999, 4096, 100).unwrap_err();
         assert!(long.contains("more than"), "{long}");
-        assert!(blocks(&z[..z.len() / 2], &zc, 50_000, 4096).is_err());
+        assert!(blocks(&z[..z.len() / 2], &zc, 50_000, 4096, 100).is_err());
         let mut calls = 0;
-        let r = decode_blocks(&z, &zc, 50_000, 4096, |_, _| {
+        let r = decode_blocks(&z, &zc, 50_000, 4096, usize::MAX, |_, _| {
             calls += 1;
             if calls == 3 { Err("full") } else { Ok(()) }
         });

@@ -8,15 +8,19 @@
 //! - Here: [`Store::pull`] and [`Store::restore`], which plan what each output file holds.
 //!
 //! Reads are per chunk: a rank fetches only the chunks that hold bytes it needs, several at a time
-//! (`concurrency`). A large chunk on a remote store comes as separate ranged requests in parallel.
-//! No decoded chunk is assembled in memory: its bytes go into the output a block of 256 KiB at a
-//! time, each block checksummed on the way while still in cache, and every chunk's stored and
-//! decoded checksums are checked before the output that holds its bytes is renamed into place. A
-//! raw chunk on a local directory streams from its file, so it is read once, written once and never
-//! held; a remote or compressed chunk is held as its stored bytes plus, for byte planes, its
-//! decompressed planes. Memory is bounded by `concurrency × 2 × (largest chunk)` (while a remote
-//! chunk's ranges arrive: its stored bytes and up to 4 pieces of 8 MiB), and by `concurrency × 256
-//! KiB` for raw chunks on a local directory.
+//! (`concurrency`). A chunk on a remote store comes as one GET whose body is decoded as it arrives
+//! (a body that breaks off is resumed from where it stopped); ranged requests per chunk would only
+//! add requests, since chunks run in parallel anyway, and some stores read the whole object for
+//! each range. No decoded chunk is assembled in memory: its bytes go into the output a block of
+//! 256 KiB at a time, each block checksummed on the way while still in cache, and every chunk's
+//! length and stored and decoded checksums are checked before the output that holds its bytes is
+//! renamed into place. A raw chunk on a local directory streams from its file, so it is read once,
+//! written once and never held. A raw or `zstd` chunk from a remote store is never held either:
+//! at most 16 pieces of its body (as the HTTP client hands them over) wait for its decoder. A
+//! `zstd-planes` chunk holds its planes (the size of the chunk) until the last one is in. Memory
+//! is bounded by `concurrency × (largest chunk + 16 pieces)` for byte-plane chunks, `concurrency ×
+//! 16 pieces` for other remote chunks, and `concurrency × 256 KiB` for raw chunks on a local
+//! directory; a compressed chunk on a local directory is read whole first.
 
 mod read;
 mod steps;

@@ -71,7 +71,8 @@ struct ReadCounter {
 
 /// What a store (and every clone of it) has read so far: object bytes (as stored, before
 /// decoding; manifests and part records included) and the reads that fetched them (a GET or
-/// ranged GET on a remote store, one per object on a local directory).
+/// ranged GET resuming one that broke off on a remote store, one per object on a local
+/// directory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct ReadStats {
     pub bytes: u64,

@@ -1,7 +1,7 @@
 //! Structured round trip: every input encodes and decodes back to itself with every plane
-//! width, whole and in blocks (with the blocks' checksum that of the input); decoding arbitrary
-//! bytes under an arbitrary codec, whole or in blocks, never panics, and where both succeed
-//! they agree.
+//! width, whole and in blocks from stored bytes that arrive in pieces of any size (with the
+//! blocks' checksum that of the input); decoding arbitrary bytes under an arbitrary codec,
+//! whole or in pieces and blocks, never panics, and where both succeed they agree.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -16,6 +16,7 @@ struct Input {
     garbage: Vec<u8>,
     planes: Vec<(bool, u16)>,
     raw_bytes: u16,
+    piece: u16,
     kind: u8,
 }
 
@@ -24,7 +25,8 @@ fuzz_target!(|i: Input| {
     let (stored, codec) = encode(&i.data, width, i.compress);
     assert_eq!(decode(&stored, &codec, i.data.len() as u64).unwrap(), i.data);
     let block = 1 + usize::from(i.raw_bytes % 512);
-    let (got, crc) = blocks(&stored, &codec, i.data.len() as u64, block).unwrap();
+    let piece = 1 + usize::from(i.piece);
+    let (got, crc) = blocks(&stored, &codec, i.data.len() as u64, block, piece).unwrap();
     assert_eq!(got, i.data);
     assert_eq!(crc, crc32c::crc32c(&i.data));
 
@@ -41,16 +43,22 @@ fuzz_target!(|i: Input| {
         },
     };
     let whole = decode(&i.garbage, &codec, u64::from(i.raw_bytes));
-    let streamed = blocks(&i.garbage, &codec, u64::from(i.raw_bytes), block);
+    let streamed = blocks(&i.garbage, &codec, u64::from(i.raw_bytes), block, piece);
     if let (Ok(a), Ok((b, _))) = (whole, streamed) {
         assert_eq!(a, b);
     }
 });
 
 /// Every block `decode_blocks` hands over, in order, and their checksum.
-fn blocks(stored: &[u8], codec: &Codec, raw: u64, block: usize) -> Result<(Vec<u8>, u32), ()> {
+fn blocks(
+    stored: &[u8],
+    codec: &Codec,
+    raw: u64,
+    block: usize,
+    piece: usize,
+) -> Result<(Vec<u8>, u32), ()> {
     let mut out = Vec::new();
-    let crc = decode_blocks(stored, codec, raw, block, |at, b| {
+    let crc = decode_blocks(stored, codec, raw, block, piece, |at, b| {
         assert_eq!(at, out.len() as u64);
         out.extend_from_slice(b);
         Ok::<_, ()>(())

@@ -1,22 +1,24 @@
-//! Reading a chunk: fetching its stored bytes (a large one from a remote store as parallel
-//! ranged requests), checking its stored and decoded checksums before a byte of it is used,
-//! and [`Store::verify`], which reads every chunk of a step.
+//! Reading a chunk: streaming its stored bytes into a [`ChunkDecoder`] as they arrive, checking
+//! its length and its stored and decoded checksums before a byte of it is trusted, and
+//! [`Store::verify`], which reads every chunk of a step.
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::StreamExt;
-use object_store::ObjectStoreExt;
+use object_store::GetOptions;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use super::ReadOptions;
-use crate::codec;
+use crate::codec::{BlocksError, ChunkDecoder};
 use crate::error::{Error, Result};
 use crate::format::{Manifest, ObjectEntry};
+use crate::local::STREAM_BLOCK_BYTES;
 use crate::store::Store;
 
-/// Reads of a large object from a remote store are cut into ranges of this size...
-const RANGE_BYTES: u64 = 8 * 1024 * 1024;
-/// ...of which this many are in flight at once, per object.
-const RANGES_IN_FLIGHT: usize = 4;
+/// Pieces of a chunk (as the store's client hands them over, a few hundred KiB at most) that
+/// wait for its decoder, per chunk.
+const PIECES_IN_FLIGHT: usize = 16;
 
 /// The result of reading every object of a step.
 #[derive(Debug, Clone, Serialize)]
@@ -50,7 +52,8 @@ impl Store {
         )
     }
 
-    /// Fetches the stored bytes of object `idx`, checking length and stored checksum.
+    /// Fetches the stored bytes of object `idx` whole, checking length and stored checksum
+    /// (for copying a step as it is stored).
     pub(crate) async fn fetch_stored(
         &self,
         m: &Manifest,
@@ -58,126 +61,149 @@ impl Store {
         cancel: &CancellationToken,
     ) -> Result<bytes::Bytes> {
         let o = &m.objects[idx];
-        // A local file is read whole: splitting a read of the page cache only adds copies.
-        let data: bytes::Bytes = if o.stored_bytes > RANGE_BYTES && self.is_remote() {
-            // Check the length first: ranges past the end of a truncated object are errors
-            // that look transient on some stores.
-            let size = self.head(&o.key, cancel).await?;
-            if size != o.stored_bytes {
-                return Err(self.truncated(m.step, o, size));
-            }
-            self.fetch_ranges(m.step, &o.key, o.stored_bytes, cancel)
-                .await?
-                .into()
-        } else {
-            self.get(&o.key, cancel).await?
-        };
+        let data = self.get(&o.key, cancel).await?;
         if data.len() as u64 != o.stored_bytes {
             return Err(self.truncated(m.step, o, data.len() as u64));
         }
         let crc = crc32c::crc32c(&data);
         if crc != o.stored_crc32c {
-            return Err(self.corrupt(
-                m.step,
-                &o.key,
-                format!("crc32c {crc:08x}, manifest says {:08x}", o.stored_crc32c),
-            ));
+            return Err(self.crc_mismatch(m.step, o, "crc32c", crc, o.stored_crc32c));
         }
         Ok(data)
     }
 
-    /// Reads `len` bytes of `key` as [`RANGES_IN_FLIGHT`] concurrent ranged requests of
-    /// [`RANGE_BYTES`], each copied into place as it arrives, so memory stays at one copy of
-    /// the object plus the pieces in flight. (`ObjectStore::get_ranges` would coalesce
-    /// adjacent ranges into a single request.)
-    async fn fetch_ranges(
-        &self,
-        step: u64,
-        key: &str,
-        len: u64,
-        cancel: &CancellationToken,
-    ) -> Result<Vec<u8>> {
-        let total = usize::try_from(len)
-            .map_err(|_| self.corrupt(step, key, format!("{len} bytes do not fit in memory")))?;
-        let path = self.path(key);
-        let path = &path;
-        let mut buf = vec![0u8; total];
-        let mut pieces = futures::stream::iter((0..len).step_by(RANGE_BYTES as usize))
-            .map(|start| {
-                let range = start..(start + RANGE_BYTES).min(len);
-                async move {
-                    let bytes = self
-                        .retry("get", key, cancel, || async {
-                            let b = self
-                                .inner
-                                .get_range(path, range.clone())
-                                .await
-                                .map_err(|e| self.err("get", key, e))?;
-                            self.count_read(b.len() as u64);
-                            Ok(b)
-                        })
-                        .await?;
-                    Ok::<_, Error>((range, bytes))
-                }
-            })
-            .buffer_unordered(RANGES_IN_FLIGHT);
-        while let Some(piece) = pieces.next().await {
-            let (range, bytes) = piece?;
-            if bytes.len() as u64 != range.end - range.start {
-                return Err(self.corrupt(
-                    step,
-                    key,
-                    format!(
-                        "range {}..{} returned {} bytes",
-                        range.start,
-                        range.end,
-                        bytes.len()
-                    ),
-                ));
-            }
-            buf[range.start as usize..range.end as usize].copy_from_slice(&bytes);
-        }
-        Ok(buf)
+    fn crc_mismatch(&self, step: u64, o: &ObjectEntry, what: &str, got: u32, want: u32) -> Error {
+        self.corrupt(
+            step,
+            &o.key,
+            format!("{what} {got:08x}, manifest says {want:08x}"),
+        )
     }
 
-    /// Fetches object `idx` and checks every checksum, decoding it a block at a time (the
-    /// decoded chunk is never held).
+    /// Reads object `idx` and hands its decoded bytes to `sink(offset, bytes)` in order, in
+    /// blocks of at most [`STREAM_BLOCK_BYTES`], decoding while the stored bytes arrive
+    /// ([`ChunkDecoder`], on a blocking thread). Both checksums and the length are checked at
+    /// the end: until this returns `Ok`, what the sink was given is not to be trusted. A
+    /// remote object comes as one GET, resumed from where it broke off when a transient error
+    /// cuts it; at most [`PIECES_IN_FLIGHT`] pieces wait for the decoder.
+    pub(crate) async fn read_object<S>(
+        &self,
+        m: &Manifest,
+        idx: usize,
+        cancel: &CancellationToken,
+        mut sink: S,
+    ) -> Result<()>
+    where
+        S: FnMut(u64, &[u8]) -> Result<()> + Send + 'static,
+    {
+        let o = m.objects[idx].clone();
+        let step = m.step;
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(PIECES_IN_FLIGHT);
+        let store = self.clone();
+        let decoder = tokio::task::spawn_blocking(move || {
+            let corrupt = |e: BlocksError<Error>| match e {
+                BlocksError::Codec(reason) => store.corrupt(step, &o.key, reason),
+                BlocksError::Sink(e) => e,
+            };
+            let mut d =
+                ChunkDecoder::new(&o.codec, o.raw_bytes, o.stored_bytes, STREAM_BLOCK_BYTES)
+                    .map_err(|reason| store.corrupt(step, &o.key, reason))?;
+            while let Some(piece) = rx.blocking_recv() {
+                d.push(piece, &mut sink).map_err(corrupt)?;
+            }
+            let (stored, raw) = d.finish(&mut sink).map_err(corrupt)?;
+            if stored != o.stored_crc32c {
+                return Err(store.crc_mismatch(step, &o, "crc32c", stored, o.stored_crc32c));
+            }
+            if raw != o.raw_crc32c {
+                return Err(store.crc_mismatch(step, &o, "decoded crc32c", raw, o.raw_crc32c));
+            }
+            Ok(())
+        });
+        let fed = self.feed_object(m, idx, &tx, cancel).await;
+        drop(tx);
+        // Always wait for the decoder, so that nothing still writes through the sink when
+        // this returns.
+        let decoded = decoder.await.map_err(|e| Error::task_failed("decode", e))?;
+        // A feed that stopped because the decoder stopped taking pieces leaves the decoder's
+        // error to say why; a feed that failed says why itself.
+        fed.and(decoded)
+    }
+
+    /// Sends the stored bytes of object `idx` to `tx` in order. Returns `false` when the
+    /// receiver stopped taking them.
+    async fn feed_object(
+        &self,
+        m: &Manifest,
+        idx: usize,
+        tx: &tokio::sync::mpsc::Sender<bytes::Bytes>,
+        cancel: &CancellationToken,
+    ) -> Result<bool> {
+        let o = &m.objects[idx];
+        if self.has_local_root() {
+            // A local file is read whole: the page cache needs no streaming.
+            let data = self.get(&o.key, cancel).await?;
+            if data.len() as u64 != o.stored_bytes {
+                return Err(self.truncated(m.step, o, data.len() as u64));
+            }
+            return Ok(tx.send(data).await.is_ok());
+        }
+        let path = self.path(&o.key);
+        let received = AtomicU64::new(0);
+        let (path, received) = (&path, &received);
+        self.retry("get", &o.key, cancel, || async move {
+            let from = received.load(Ordering::Relaxed);
+            let opts = GetOptions {
+                range: (from > 0).then(|| (from..o.stored_bytes).into()),
+                ..Default::default()
+            };
+            let r = self
+                .inner
+                .get_opts(path, opts)
+                .await
+                .map_err(|e| self.err("get", &o.key, e))?;
+            if from == 0 && r.meta.size != o.stored_bytes {
+                return Err(self.truncated(m.step, o, r.meta.size));
+            }
+            let mut pieces = r.into_stream();
+            let mut got = 0u64;
+            let fed = loop {
+                let piece = match pieces.next().await {
+                    None => break Ok(true),
+                    Some(Err(e)) => break Err(self.err("get", &o.key, e)),
+                    Some(Ok(p)) => p,
+                };
+                let n = piece.len() as u64;
+                let at = from + got;
+                if n > o.stored_bytes - at {
+                    break Err(self.truncated(m.step, o, at + n));
+                }
+                if tx.send(piece).await.is_err() {
+                    break Ok(false);
+                }
+                got += n;
+                received.store(at + n, Ordering::Relaxed);
+            };
+            self.count_read(got);
+            let fed = fed?;
+            let end = from + got;
+            if fed && end != o.stored_bytes {
+                return Err(self.truncated(m.step, o, end));
+            }
+            Ok(fed)
+        })
+        .await
+    }
+
+    /// Fetches object `idx` and checks every checksum, decoding it as it arrives (the decoded
+    /// chunk is never held).
     pub(crate) async fn fetch_checked(
         &self,
         m: &Manifest,
         idx: usize,
         cancel: &CancellationToken,
     ) -> Result<()> {
-        let stored = self.fetch_stored(m, idx, cancel).await?;
-        let o = m.objects[idx].clone();
-        // A raw chunk's stored checksum is its raw checksum (the manifest validator
-        // insists), and fetch_stored checked it: no second pass.
-        if o.codec == codec::Codec::Raw {
-            return Ok(());
-        }
-        let r = tokio::task::spawn_blocking(move || {
-            let crc = codec::decode_blocks(
-                &stored,
-                &o.codec,
-                o.raw_bytes,
-                crate::local::STREAM_BLOCK_BYTES,
-                |_, _| Ok::<_, std::convert::Infallible>(()),
-            )
-            .map_err(|e| match e {
-                codec::BlocksError::Codec(reason) => reason,
-                codec::BlocksError::Sink(never) => match never {},
-            })?;
-            if crc != o.raw_crc32c {
-                return Err(format!(
-                    "decoded crc32c {crc:08x}, manifest says {:08x}",
-                    o.raw_crc32c
-                ));
-            }
-            Ok(())
-        })
-        .await
-        .map_err(|e| Error::task_failed("decode", e))?;
-        r.map_err(|reason| self.corrupt(m.step, &m.objects[idx].key, reason))
+        self.read_object(m, idx, cancel, |_, _| Ok(())).await
     }
 
     /// Reads every object of `step` and checks lengths and checksums. The report lists every

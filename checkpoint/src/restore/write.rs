@@ -9,7 +9,7 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use super::ReadOptions;
-use crate::codec::{self, Codec};
+use crate::codec::Codec;
 use crate::error::{Error, Result};
 use crate::format::{FileEntry, Manifest, ObjectEntry};
 use crate::local::{DurableFile, RootLink, STREAM_BLOCK_BYTES};
@@ -153,14 +153,11 @@ impl Store {
                         .await
                         .map_err(|e| Error::task_failed("read", e))??;
                     } else {
-                        let stored = self.fetch_stored(m, object as usize, abort).await?;
-                        let (store, o) = (self.clone(), o.clone());
-                        let step = m.step;
-                        tokio::task::spawn_blocking(move || {
-                            store.write_decoded(step, &o, &stored, &ops, &files)
+                        // Decoded as it arrives, each block written where `ops` put it.
+                        self.read_object(m, object as usize, abort, move |at, b| {
+                            write_block(&ops, &files, at, b)
                         })
-                        .await
-                        .map_err(|e| Error::task_failed("write", e))??;
+                        .await?;
                     }
                     if let Some(p) = &opts.progress {
                         p(n);
@@ -209,47 +206,6 @@ fn write_block(ops: &[CopyOp], files: &[DurableFile], pos: u64, block: &[u8]) ->
 }
 
 impl Store {
-    /// Writes what `ops` take of object `o`, whose stored bytes (`stored`, their checksum
-    /// already checked) were fetched: a raw object straight from them, a compressed one
-    /// decoded a block at a time into the output while its decoded checksum is computed
-    /// ([`codec::decode_blocks`]), which is checked at the end. Until then its bytes lie only
-    /// in the output files' temporary names, which a failed read never renames into place.
-    fn write_decoded(
-        &self,
-        step: u64,
-        o: &ObjectEntry,
-        stored: &[u8],
-        ops: &[CopyOp],
-        files: &[DurableFile],
-    ) -> Result<()> {
-        if o.codec == Codec::Raw {
-            // Its stored checksum is its raw checksum (the manifest validator insists).
-            return write_block(ops, files, 0, stored);
-        }
-        let crc = codec::decode_blocks(
-            stored,
-            &o.codec,
-            o.raw_bytes,
-            STREAM_BLOCK_BYTES,
-            |at, b| write_block(ops, files, at, b),
-        )
-        .map_err(|e| match e {
-            codec::BlocksError::Codec(reason) => self.corrupt(step, &o.key, reason),
-            codec::BlocksError::Sink(e) => e,
-        })?;
-        if crc != o.raw_crc32c {
-            return Err(self.corrupt(
-                step,
-                &o.key,
-                format!(
-                    "decoded crc32c {crc:08x}, manifest says {:08x}",
-                    o.raw_crc32c
-                ),
-            ));
-        }
-        Ok(())
-    }
-
     /// Copies what `ops` take of raw object `o` of a `file://` store straight from its file
     /// into the output `files`; see [`Store::copy_local_raw`].
     fn stream_local_raw(
