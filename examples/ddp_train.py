@@ -70,6 +70,8 @@ def main():
                    help="append one JSON line per step trained to DIR/gen-G-rank-R.jsonl: generation, "
                         "step, rank, world, accum, batch and this rank's sample ids (tests)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (tests)")
+    p.add_argument("--exit-linger", type=float, default=0.0,
+                   help="seconds to linger after a drain's save before exiting: a slow teardown (tests)")
     p.add_argument("--crash-at", type=int, default=None, help="rank --crash-rank exits 3 at this step (tests)")
     p.add_argument("--crash-rank", type=int, default=0)
     p.add_argument("--crash-restarts", type=int, default=1,
@@ -120,6 +122,7 @@ def main():
     lr_scaling = er.scale_lr(opt)
 
     saved_step = step
+    stop = False
     while step < args.steps:
         step += 1
         lr = opt.param_groups[0]["lr"] * lr_scaling.factor(step)
@@ -172,6 +175,8 @@ def main():
 
     if rank == 0:
         print(f"done step {step} saved {saved_step} weights {weights_digest(model)}", flush=True)
+    if stop and args.exit_linger:
+        time.sleep(args.exit_linger)
     if dist.is_initialized():
         dist.destroy_process_group()
 

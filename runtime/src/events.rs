@@ -18,6 +18,7 @@
 //! | `drain_started` | `reason` (`signal`, `notice`, `peer`) |
 //! | `worker_failed` | `generation`, `rank`, `exit_code` |
 //! | `fenced` | `reason` |
+//! | `left` | `step` (the newest commit it reported), `workers_running` (`true` when a drained node left as soon as its last step was committed, before its workers finished exiting) |
 //! | `exit` | `code` |
 //!
 //! [`Event`] is that table as a type: the agent writes an [`Event`], tools read a line back
@@ -134,6 +135,11 @@ pub enum Event {
     Fenced {
         reason: String,
     },
+    /// The node left the job (its lease revoked): peers re-form without it.
+    Left {
+        step: Option<u64>,
+        workers_running: bool,
+    },
     Exit {
         code: u8,
     },
@@ -159,6 +165,7 @@ impl Event {
             Event::DrainStarted { .. } => "drain_started",
             Event::WorkerFailed { .. } => "worker_failed",
             Event::Fenced { .. } => "fenced",
+            Event::Left { .. } => "left",
             Event::Exit { .. } => "exit",
         }
     }
@@ -313,6 +320,10 @@ mod tests {
             },
             Event::Fenced {
                 reason: "lease lost".into(),
+            },
+            Event::Left {
+                step: Some(55),
+                workers_running: true,
             },
             Event::Exit { code: 143 },
         ]

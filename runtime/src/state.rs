@@ -66,6 +66,8 @@ struct Inner {
     should_checkpoint_at: Option<u64>,
     /// The step the workers stopped at for a peer's drain, if they said so.
     peer_stop: Option<u64>,
+    /// The step of each rank's last save (a `saved` with `last`): it saves nothing after it.
+    last_saves: std::collections::BTreeMap<u32, u64>,
     last_progress: Option<Instant>,
     last_step: Option<u64>,
     /// Whether any worker has spoken the protocol in this generation: only such workers can
@@ -92,6 +94,7 @@ impl AgentState {
                 should_stop: false,
                 should_checkpoint_at: None,
                 peer_stop: None,
+                last_saves: Default::default(),
                 last_progress: None,
                 last_step: None,
                 client_seen: false,
@@ -121,6 +124,23 @@ impl AgentState {
         s.client_seen = false;
         s.should_checkpoint_at = None;
         s.peer_stop = None;
+        s.last_saves.clear();
+    }
+
+    /// The step every rank of this node's group saved as its last (a drain's agreed step),
+    /// once all of them have said so: after it is committed, nothing this node's workers do
+    /// can add to the job.
+    pub fn last_saved_step(&self) -> Option<u64> {
+        let s = self.lock();
+        let ranks = s.ranks.clone();
+        if ranks.is_empty() || ranks.len() != s.last_saves.len() {
+            return None;
+        }
+        ranks
+            .map(|r| s.last_saves.get(&r).copied())
+            .collect::<Option<Vec<u64>>>()?
+            .into_iter()
+            .max()
     }
 
     /// The step the workers of this group stopped at for a peer's drain, if they said so.
@@ -238,10 +258,15 @@ impl AgentState {
                 s.last_step = Some(s.last_step.map_or(step, |l| l.max(step)));
                 Ok((Reply::Ok, None))
             }
-            Request::Saved { rank, step, .. } => {
+            Request::Saved {
+                rank, step, last, ..
+            } => {
                 check_rank(&s.ranks, rank)?;
                 if let Some(why) = s.refused.take() {
                     return Err(why);
+                }
+                if last {
+                    s.last_saves.insert(rank, step);
                 }
                 let dir = staged.ok_or("saved dir unchecked")?;
                 let received = Received {

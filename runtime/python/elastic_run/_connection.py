@@ -145,6 +145,8 @@ def should_stop(step):
         ckpt = 0 if at is None else at + 1
     asked = stop
     stop, ckpt = _distributed._all_reduce_max([stop, ckpt])
+    if stop and _state.stop_step is None:
+        _state.stop_step = int(step)
     if stop and not asked and conn is not None and local_rank() == 0:
         # Another node's agent asked: tell ours, so that it does not take the clean exit that
         # follows for the end of the job (it may not have heard of the drain itself).

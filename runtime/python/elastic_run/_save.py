@@ -379,7 +379,8 @@ def _write_snapshot_inner(snap, conn):
     os.rename(tmp, final)
     _fsync_dir(step_dir)
     if conn is not None:
-        conn.request(_msg_saved(r, step, final), timeout_s=_connection.SAVED_TIMEOUT_S)
+        last = _state.stop_step is not None and step >= _state.stop_step
+        conn.request(_msg_saved(r, step, final, last), timeout_s=_connection.SAVED_TIMEOUT_S)
     return final
 
 

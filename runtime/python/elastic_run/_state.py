@@ -12,6 +12,9 @@ last_progress = 0.0
 # agent repeats its request in every reply until a newer one replaces it).
 checkpoint_at = None
 checkpoint_request_seen = None
+# The step at which the ranks agreed to stop (a drain), once should_stop said so: a save of it
+# or later is this worker's last, and says so to the agent.
+stop_step = None
 # Whether save/async_save warned that they run outside elastic-run.
 warned_no_staging = False
 # The async_save in flight (a PendingSave), if any. Not reset by _reset_for_tests.
@@ -20,11 +23,12 @@ pending_lock = threading.Lock()
 
 
 def _reset_for_tests():
-    global agent, last_progress, checkpoint_at, checkpoint_request_seen, warned_no_staging
+    global agent, last_progress, checkpoint_at, checkpoint_request_seen, warned_no_staging, stop_step
     if agent is not None:
         agent.close()
     agent = None
     last_progress = 0.0
     checkpoint_at = None
     checkpoint_request_seen = None
+    stop_step = None
     warned_no_staging = False

@@ -68,12 +68,12 @@ MSG_PEER_STOP = "peer_stop"
 MSG_SAVED = "saved"
 MSG_SKIPPED = "skipped"
 # Every request kind and its fields besides `type`, in the order sent (protocol.rs
-# `Request`: rank is a u32, step a u64, dir and reason strings).
+# `Request`: rank is a u32, step a u64, dir and reason strings, last a bool).
 REQUESTS = {
     MSG_PROGRESS: ("rank", "step"),
     MSG_QUERY: (),
     MSG_PEER_STOP: ("rank", "step"),
-    MSG_SAVED: ("rank", "step", "dir"),
+    MSG_SAVED: ("rank", "step", "dir", "last"),
     MSG_SKIPPED: ("rank", "step", "reason"),
 }
 # Reply kinds (agent -> worker). `state` carries should_stop (a bool), should_checkpoint_at (a
@@ -100,9 +100,11 @@ def _msg_peer_stop(rank, step):
     return {"type": MSG_PEER_STOP, "rank": rank, "step": int(step)}
 
 
-def _msg_saved(rank, step, dir_):
-    """Rank ``rank`` wrote its snapshot of ``step`` into ``dir_`` (under the staging dir)."""
-    return {"type": MSG_SAVED, "rank": rank, "step": step, "dir": dir_}
+def _msg_saved(rank, step, dir_, last=False):
+    """Rank ``rank`` wrote its snapshot of ``step`` into ``dir_`` (under the staging dir);
+    ``last``: the ranks agreed to stop (a drain) and this is the rank's last save, so the agent
+    may leave the job once this step is committed, without waiting for the worker to exit."""
+    return {"type": MSG_SAVED, "rank": rank, "step": step, "dir": dir_, "last": bool(last)}
 
 
 def _msg_skipped(rank, step, reason):
@@ -118,7 +120,7 @@ def _sample_messages():
         _msg_progress(3, 120),
         _msg_query(),
         _msg_peer_stop(3, 120),
-        _msg_saved(3, 100, "/tmp/elastic-run/staging/step-100/rank-3"),
+        _msg_saved(3, 100, "/tmp/elastic-run/staging/step-100/rank-3", last=True),
         _msg_skipped(3, 100, "the staging file system /tmp/elastic-run/staging is full (No space left on "
                              "device; this rank's snapshot is 1048576 bytes, 4096 of 65536 bytes free)"),
     ]

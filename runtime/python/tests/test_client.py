@@ -222,6 +222,23 @@ class TorchEnv(Env):
 
 
 class Snapshots(TorchEnv):
+    def test_only_the_save_of_an_agreed_stop_tells_the_agent_it_is_the_last(self):
+        staging = os.path.join(self.tmp.name, "staging")
+        path = os.path.join(self.tmp.name, "a.sock")
+        agent = FakeAgent(path, should_stop=False)
+        self.addCleanup(agent.close)
+        self.env(ELASTIC_STAGING_DIR=staging, ELASTIC_AGENT_SOCKET=path, LOCAL_RANK=0, RANK=0, WORLD_SIZE=1)
+        model, opt = self.make(0)
+        self.assertFalse(er.should_stop(5))
+        er.save(5, model=model, optimizer=opt)
+        agent.should_stop = True
+        self.assertTrue(er.should_stop(6))
+        # An earlier step's save that completes after the stop is not the last one.
+        er.save(4, model=model, optimizer=opt)
+        er.save(6, model=model, optimizer=opt)
+        saved = [(q["step"], q["last"]) for q in agent.requests if q["type"] == "saved"]
+        self.assertEqual(saved, [(5, False), (4, False), (6, True)])
+
     def test_two_ranks_split_the_state_and_any_world_loads_it_back(self):
         torch = self.torch
         staging = os.path.join(self.tmp.name, "staging")
@@ -1111,6 +1128,8 @@ class Messages(TorchEnv):
                         self.assertTrue(type(v) is int and 0 <= v < er.WORLD_SIZE_MAX, v)
                     elif field == "step":
                         self.assertTrue(type(v) is int and 0 <= v <= er.STEP_MAX, v)
+                    elif field == "last":
+                        self.assertIs(type(v), bool)
                     else:
                         self.assertIsInstance(v, str)
                         self.assertTrue(v)

@@ -89,6 +89,14 @@ impl Agent {
                     m.report(point).await;
                 }
                 let step = committer.latest();
+                if let Membership::Etcd(m) = &self.membership
+                    && m.is_member()
+                {
+                    self.node.events.emit(Event::Left {
+                        step,
+                        workers_running: false,
+                    });
+                }
                 let _ = leave(&mut self.membership).await;
                 // Committed (or out of grace) and gone from the job: the machine may go now.
                 if let Some(a) = self.approval.take() {

@@ -143,6 +143,22 @@ impl Agent {
                 }
                 Ok(()) = committed_rx.changed(), if matches!(*membership, Membership::Etcd(_)) => {
                     let latest = committer.latest_point();
+                    // A drained node is done once its workers' last step is committed: it
+                    // leaves now, and peers re-form from that step while its workers exit.
+                    if let (Membership::Etcd(m), Some(point), Some(last)) =
+                        (&mut *membership, latest, state.last_saved_step())
+                        && drain.is_some_and(|d| d.of == DrainOf::Local)
+                        && m.is_member()
+                        && point.step >= last
+                        && m.leave_after_commit(point).await
+                    {
+                        tracing::info!(step = point.step, "drained step committed; left the job while the workers exit");
+                        node.events.emit(Event::Left { step: Some(point.step), workers_running: true });
+                        if let Some(a) = approval.take() {
+                            notice::approve(&a, &node.state.metrics).await;
+                        }
+                        continue;
+                    }
                     // Never awaited here: with etcd unreachable a report takes up to its whole
                     // budget, and this loop must go on taking parts, signals and the fence.
                     if let (Membership::Etcd(m), Some(point)) = (&mut *membership, latest) {

@@ -120,6 +120,25 @@ impl EtcdMember {
         }
     }
 
+    /// A draining node whose workers' last step is `point`, committed: reports it and, once
+    /// etcd has recorded it, leaves the job at once, so that peers re-form from that step
+    /// without waiting for this node's workers to finish exiting. Returns whether it left (not
+    /// when etcd did not take the report: the drain then ends as it would have).
+    pub(super) async fn leave_after_commit(&mut self, point: CommitPoint) -> bool {
+        self.report(point).await;
+        if self.handle.is_none() || self.reported.is_none_or(|r| r < point.step) {
+            return false;
+        }
+        leave_etcd(self).await;
+        true
+    }
+
+    /// Whether this node is still a member of the job (it has not left, and is not fenced
+    /// out waiting to join again).
+    pub(super) fn is_member(&self) -> bool {
+        self.handle.is_some()
+    }
+
     /// As [`EtcdMember::report`], without waiting: the handle's background task records the
     /// step in etcd. For loops that must stay responsive (signals, fences, the next part)
     /// while etcd is slow or unreachable from this node.

@@ -40,12 +40,14 @@
 //! in etcd mode the node first announces it (peers ask their workers to stop too), then
 //! `should_stop` turns true on the worker socket, workers agree on a step, save it and exit 0,
 //! the agent commits what they staged, reports the commit and leaves (revoking its lease, so
-//! the survivors re-form at once from that step: no step is lost). Workers that never spoke the
-//! protocol (unmodified torchrun scripts) get SIGTERM at once instead. At the end of the grace
-//! (less a kill window of up to 5 s) the group gets SIGTERM, then SIGKILL. A second signal is
-//! forwarded to every worker's process group as is. A notice's Azure event is approved once the
-//! node has left; an AWS rebalance recommendation (`--rebalance-action save`) asks for a
-//! checkpoint at the next step instead of a drain.
+//! the survivors re-form at once from that step: no step is lost). It leaves as soon as that
+//! step is committed, when every local worker said its save was the last (`saved` with
+//! `last`), without waiting for the workers' teardown (process group, interpreter exit).
+//! Workers that never spoke the protocol (unmodified torchrun scripts) get SIGTERM at once
+//! instead. At the end of the grace (less a kill window of up to 5 s) the group gets SIGTERM,
+//! then SIGKILL. A second signal is forwarded to every worker's process group as is. A
+//! notice's Azure event is approved once the node has left; an AWS rebalance recommendation
+//! (`--rebalance-action save`) asks for a checkpoint at the next step instead of a drain.
 //!
 //! Exit codes: 0 when the workers finished (or drained) cleanly and every commit landed; the
 //! failed worker's exit code (128 + signal when killed) when restarts ran out; 143 for a drain

@@ -333,7 +333,10 @@ fn sigterm_of_one_agent_commits_its_emergency_checkpoint_and_no_step_is_lost() {
     let train = ["--steps", "100000", "--step-sleep", "0.1"];
     let mut a = job.start("a", "2:3", &train);
     let b = job.start("b", "2:3", &train);
-    let c = job.start("c", "2:3", &train);
+    // c's workers take 10 s to exit after their last save (a slow teardown): its agent leaves
+    // the job as soon as that save is committed, without waiting for them.
+    let train_c = [&train[..], &["--exit-linger", "10"]].concat();
+    let c = job.start("c", "2:3", &train_c);
     let g1 = job.wait_event("generation at world 6", LONG, |e| {
         is(e, "generation") && e["world_size"] == 6
     });
@@ -343,9 +346,6 @@ fn sigterm_of_one_agent_commits_its_emergency_checkpoint_and_no_step_is_lost() {
     // Every rank stops at the same step and saves it; rank 0 (on a) says which.
     a.wait_line("stopping at step", LONG);
     let stopped = step_of("stopping at step ", &a.seen).unwrap();
-    let (code_c, _out_c, err_c) = c.finish(LONG);
-    assert_eq!(code_c, 0, "the preempted agent drains cleanly:\n{err_c}");
-    assert!(job.committed_steps().contains(&stopped), "{err_c}");
     // The one after the drain (a slow third agent can make an earlier one at world 4).
     let g2 = job.wait_event("generation at world 4 after the drain", LONG, |e| {
         is(e, "generation")
@@ -357,6 +357,43 @@ fn sigterm_of_one_agent_commits_its_emergency_checkpoint_and_no_step_is_lost() {
         g2["resume_step"].as_u64(),
         Some(stopped),
         "zero lost steps: the new generation resumes from the drained step"
+    );
+    let (code_c, _out_c, err_c) = c.finish(LONG);
+    assert_eq!(code_c, 0, "the preempted agent drains cleanly:\n{err_c}");
+    assert!(job.committed_steps().contains(&stopped), "{err_c}");
+    let events = job.events();
+    let of_c = |name: &str| {
+        events
+            .iter()
+            .find(|e| is(e, name) && node_of(e) == "c")
+            .unwrap_or_else(|| panic!("no {name} event of c:\n{err_c}"))
+    };
+    let left = of_c("left");
+    assert_eq!(left["step"].as_u64(), Some(stopped), "{left}");
+    assert_eq!(
+        left["workers_running"], true,
+        "c left before its workers exited: {left}"
+    );
+    let committed = events
+        .iter()
+        .filter(|e| is(e, "checkpoint_committed") && e["step"].as_u64() == Some(stopped))
+        .map(|e| e["ts_ms"].as_u64().unwrap())
+        .min()
+        .unwrap();
+    let (left_ms, exit_ms) = (
+        left["ts_ms"].as_u64().unwrap(),
+        of_c("exit")["ts_ms"].as_u64().unwrap(),
+    );
+    let g2_ms = g2["frozen_unix_ms"].as_u64().unwrap();
+    assert!(
+        committed <= left_ms && left_ms <= g2_ms,
+        "the survivors' generation never comes before the drained step's commit: committed \
+         {committed}, c left {left_ms}, generation frozen {g2_ms}"
+    );
+    assert!(
+        g2_ms < exit_ms,
+        "the survivors re-formed while c's workers were still exiting: frozen {g2_ms}, c's exit \
+         {exit_ms}"
     );
     let first = job.wait_event("first step of the new generation", LONG, |e| {
         is(e, "first_step") && e["generation"] == g2["generation"]

@@ -104,6 +104,9 @@ pub struct Worker {
     conn: Option<Conn>,
     last_progress: Option<Instant>,
     checkpoint_at: Option<u64>,
+    /// The step this worker stops at (its `should_stop` said yes, or `peer_stop`): a save of
+    /// it or later is its last.
+    stop_step: Option<u64>,
 }
 
 struct Conn {
@@ -226,6 +229,7 @@ impl Worker {
             conn,
             last_progress: None,
             checkpoint_at: None,
+            stop_step: None,
         })
     }
 
@@ -251,7 +255,7 @@ impl Worker {
 
     /// Whether to save `step` and exit (the agent drains). Also learns a step the agent wants
     /// a checkpoint at, for [`Worker::should_checkpoint`].
-    pub fn should_stop(&mut self, _step: u64) -> Result<bool, WorkerError> {
+    pub fn should_stop(&mut self, step: u64) -> Result<bool, WorkerError> {
         let Some(c) = self.conn.as_mut() else {
             return Ok(false);
         };
@@ -259,7 +263,11 @@ impl Worker {
         if let Some(at) = v["should_checkpoint_at"].as_u64() {
             self.checkpoint_at = Some(at);
         }
-        Ok(v["should_stop"].as_bool().unwrap_or(false))
+        let stop = v["should_stop"].as_bool().unwrap_or(false);
+        if stop {
+            self.stop_step.get_or_insert(step);
+        }
+        Ok(stop)
     }
 
     /// Tells the agent that the workers agreed to stop at `step` because another node's agent
@@ -267,6 +275,7 @@ impl Worker {
     /// `should_stop` across ranks themselves call this on the ranks whose own answer was no,
     /// so the agent does not take the clean exit for the end of the job.
     pub fn peer_stop(&mut self, step: u64) -> Result<(), WorkerError> {
+        self.stop_step.get_or_insert(step);
         if let Some(c) = self.conn.as_mut() {
             c.request(&Request::PeerStop {
                 rank: self.rank,
@@ -368,6 +377,7 @@ impl Worker {
                 rank: self.rank,
                 step,
                 dir,
+                last: self.stop_step.is_some_and(|s| step >= s),
             });
             c.set_read_timeout_ms(SOCKET_TIMEOUT_MS)?;
             r?;
@@ -509,6 +519,7 @@ mod tests {
             conn: None,
             last_progress: None,
             checkpoint_at: Some(7),
+            stop_step: None,
         };
         assert!(w.should_checkpoint(5));
         assert!(!w.should_checkpoint(6));
@@ -578,6 +589,7 @@ mod tests {
             conn: Some(Conn { write: a, read }),
             last_progress: None,
             checkpoint_at: None,
+            stop_step: None,
         };
         w.report_progress(3).unwrap();
         assert!(w.should_stop(4).unwrap());
@@ -609,6 +621,7 @@ mod tests {
                     rank: 1,
                     step: 8,
                     dir: dir.to_string_lossy().into_owned(),
+                    last: true,
                 },
             ]
         );

@@ -110,7 +110,16 @@ pub enum Request {
     /// Rank `rank` finished step `step`.
     Progress { rank: u32, step: u64 },
     /// Rank `rank` finished writing its snapshot of `step` into `dir` (under staging).
-    Saved { rank: u32, step: u64, dir: String },
+    /// `last`: the ranks agreed to stop (a drain) and this is the rank's last save, so the
+    /// agent may leave the job once the step is committed, without waiting for the worker to
+    /// exit (absent means `false`).
+    Saved {
+        rank: u32,
+        step: u64,
+        dir: String,
+        #[serde(default)]
+        last: bool,
+    },
     /// What should the workers do? Answered by [`Reply::State`].
     Query {},
     /// Rank `rank` could not write its snapshot of `step` (its staging disk is full).
@@ -190,8 +199,9 @@ mod tests {
                     rank: 0,
                     step: 5,
                     dir: "/s/step-5/rank-0".into(),
+                    last: true,
                 },
-                json!({"type":"saved","rank":0,"step":5,"dir":"/s/step-5/rank-0"}),
+                json!({"type":"saved","rank":0,"step":5,"dir":"/s/step-5/rank-0","last":true}),
             ),
             (Request::Query {}, json!({"type":"query"})),
             (

@@ -300,6 +300,8 @@ fn what_the_python_client_sends_and_stages_parses_as_the_protocol() {
                 rank: 0,
                 step: 5,
                 dir: dir(5),
+                // After the ranks agreed to stop at step 4: the save of a drain.
+                last: true,
             },
             Request::Skipped {
                 rank: 0,
@@ -310,6 +312,8 @@ fn what_the_python_client_sends_and_stages_parses_as_the_protocol() {
                 rank: 0,
                 step: 7,
                 dir: dir(7),
+                // After the ranks agreed to stop at step 4: the save of a drain.
+                last: true,
             },
             Request::Progress {
                 rank: 0,
