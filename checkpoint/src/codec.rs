@@ -386,6 +386,40 @@ mod tests {
         assert_eq!(calls, 3);
     }
 
+    /// A compressed plane whose span holds more than its frame (stray bytes, or a second
+    /// frame) is refused wherever the pieces cut it, never decoded into the next plane.
+    #[test]
+    fn a_plane_span_with_more_than_its_frame_is_refused_in_any_pieces() {
+        let data = weights(20_000, 4, 11);
+        let (stored, codec) = encode(&data, Some(4), true);
+        let Codec::ZstdPlanes { width, planes } = &codec else {
+            panic!("{codec:?}")
+        };
+        let k = planes
+            .iter()
+            .position(|p| p.zstd)
+            .expect("a compressed plane");
+        let start: usize = planes[..k].iter().map(|p| p.stored_bytes as usize).sum();
+        let end = start + planes[k].stored_bytes as usize;
+        let frame = stored[start..end].to_vec();
+        for extra in [vec![0u8; 5], frame.clone()] {
+            let mut bad = stored[..end].to_vec();
+            bad.extend_from_slice(&extra);
+            bad.extend_from_slice(&stored[end..]);
+            let mut planes = planes.clone();
+            planes[k].stored_bytes += extra.len() as u64;
+            let bad_codec = Codec::ZstdPlanes {
+                width: *width,
+                planes,
+            };
+            for piece in [1usize, 3, 4096, usize::MAX] {
+                let r = blocks(&bad, &bad_codec, data.len() as u64, 4096, piece);
+                assert!(r.is_err(), "extra {} bytes, piece {piece}", extra.len());
+            }
+            assert!(decode(&bad, &bad_codec, data.len() as u64).is_err());
+        }
+    }
+
     #[test]
     fn planes_beat_plain_zstd_on_bf16_weights_and_random_bytes_stay_raw() {
         let data = weights(1 << 16, 2, 1);
