@@ -420,6 +420,32 @@ mod tests {
         }
     }
 
+    /// A forged manifest that gives a compressed plane no bytes at all: refused, not decoded
+    /// into zeros.
+    #[test]
+    fn a_compressed_plane_with_an_empty_span_is_refused() {
+        let data = weights(1000, 4, 12);
+        let plane_len = 1000u64;
+        let mut stored = Vec::new();
+        let mut planes = vec![PlaneEntry {
+            zstd: true,
+            stored_bytes: 0,
+        }];
+        for k in 1..4 {
+            stored.extend(data.chunks_exact(4).map(|el| el[k]));
+            planes.push(PlaneEntry {
+                zstd: false,
+                stored_bytes: plane_len,
+            });
+        }
+        let codec = Codec::ZstdPlanes { width: 4, planes };
+        codec.check(4000, stored.len() as u64).unwrap();
+        for piece in [1usize, 999, usize::MAX] {
+            let err = blocks(&stored, &codec, 4000, 4096, piece).unwrap_err();
+            assert!(err.contains("plane 0"), "{err}");
+        }
+    }
+
     #[test]
     fn planes_beat_plain_zstd_on_bf16_weights_and_random_bytes_stay_raw() {
         let data = weights(1 << 16, 2, 1);

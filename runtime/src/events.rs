@@ -18,7 +18,7 @@
 //! | `drain_started` | `reason` (`signal`, `notice`, `peer`) |
 //! | `worker_failed` | `generation`, `rank`, `exit_code` |
 //! | `fenced` | `reason` |
-//! | `left` | `step` (the newest commit it reported), `workers_running` (`true` when a drained node left as soon as its last step was committed, before its workers finished exiting) |
+//! | `left` | `step` (the newest commit it knew of), `workers_running` (`true` when a drained node left as soon as its last step was committed, before its workers finished exiting) |
 //! | `exit` | `code` |
 //!
 //! [`Event`] is that table as a type: the agent writes an [`Event`], tools read a line back

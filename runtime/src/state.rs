@@ -77,6 +77,8 @@ struct Inner {
     staging_root: PathBuf,
     /// The newest committed step, for workers restarted after a failure.
     resume: Option<ResumePoint>,
+    /// Set once the node has left the job: every later `saved` is refused with it.
+    left: Option<String>,
     /// Why the store refused a step this node staged (a manifest over the read limit...):
     /// the next `saved` is answered with it, so the worker's save fails with the reason
     /// instead of the refusal staying in the agent's log.
@@ -100,6 +102,7 @@ impl AgentState {
                 client_seen: false,
                 staging_root,
                 resume: None,
+                left: None,
                 refused: None,
             }),
             metrics: Metrics::default(),
@@ -125,6 +128,13 @@ impl AgentState {
         s.should_checkpoint_at = None;
         s.peer_stop = None;
         s.last_saves.clear();
+        s.left = None;
+    }
+
+    /// The node left the job: every later `saved` is answered with `why`, and nothing more is
+    /// handed to the committer.
+    pub fn refuse_saves(&self, why: String) {
+        self.lock().left = Some(why);
     }
 
     /// The step every rank of this node's group saved as its last (a drain's agreed step),
@@ -262,11 +272,15 @@ impl AgentState {
                 rank, step, last, ..
             } => {
                 check_rank(&s.ranks, rank)?;
+                if let Some(why) = &s.left {
+                    return Err(why.clone());
+                }
                 if let Some(why) = s.refused.take() {
                     return Err(why);
                 }
                 if last {
-                    s.last_saves.insert(rank, step);
+                    let l = s.last_saves.entry(rank).or_insert(step);
+                    *l = (*l).max(step);
                 }
                 let dir = staged.ok_or("saved dir unchecked")?;
                 let received = Received {
@@ -281,6 +295,9 @@ impl AgentState {
             }
             Request::Skipped { rank, step, reason } => {
                 check_rank(&s.ranks, rank)?;
+                if let Some(why) = &s.left {
+                    return Err(why.clone());
+                }
                 let received = Received {
                     part: StagedPart {
                         rank,
@@ -378,6 +395,52 @@ mod tests {
         assert_eq!(state.peer_stop(), Some(9));
         state.begin_group(3, 2, 0..1);
         assert_eq!(state.peer_stop(), None, "a new group starts clean");
+    }
+
+    /// The drained step is known once every local rank said its save was the last (the
+    /// highest such step of each); after the node left, saves are refused with the reason.
+    #[test]
+    fn the_last_saved_step_needs_every_rank_and_a_node_that_left_takes_no_more_saves() {
+        let dir = tempfile::tempdir().unwrap();
+        let staging = std::fs::canonicalize(dir.path()).unwrap();
+        for s in [5, 6] {
+            for r in [2, 3] {
+                std::fs::create_dir_all(staging.join(format!("step-{s}/rank-{r}"))).unwrap();
+            }
+        }
+        let state = AgentState::new(staging.clone());
+        state.begin_group(3, 4, 2..4);
+        let saved = |rank: u32, step: u64, last: bool| Request::Saved {
+            rank,
+            step,
+            dir: staging
+                .join(format!("step-{step}/rank-{rank}"))
+                .display()
+                .to_string(),
+            last,
+        };
+        state.handle(saved(2, 5, false)).unwrap();
+        state.handle(saved(3, 5, false)).unwrap();
+        assert_eq!(state.last_saved_step(), None, "no last save yet");
+        state.handle(saved(2, 6, true)).unwrap();
+        assert_eq!(state.last_saved_step(), None, "rank 3 has not said so");
+        state.handle(saved(3, 6, true)).unwrap();
+        state.handle(saved(3, 5, true)).unwrap();
+        assert_eq!(state.last_saved_step(), Some(6), "the highest of each rank");
+        state.refuse_saves("left after step 6".into());
+        let err = state.handle(saved(2, 6, true)).unwrap_err();
+        assert!(err.contains("left after step 6"), "{err}");
+        assert!(
+            state
+                .handle(Request::Skipped {
+                    rank: 2,
+                    step: 7,
+                    reason: "full".into()
+                })
+                .is_err()
+        );
+        state.begin_group(4, 2, 0..2);
+        assert_eq!(state.last_saved_step(), None, "a new group starts clean");
     }
 
     #[test]

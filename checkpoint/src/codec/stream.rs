@@ -438,8 +438,22 @@ impl ChunkDecoder {
                 ..
             } => {
                 let (w, plane_len) = (*width, *plane_len);
-                // Every span was entered and left full (push checks each as it ends), so each
-                // plane holds `plane_len` bytes: compressed ones decoded, raw ones in pieces.
+                // Every span with bytes was checked full as it ended (push); a compressed plane
+                // whose span is empty holds no frame at all.
+                for (k, p) in planes.iter().enumerate() {
+                    if let Plane::Decoded {
+                        buf,
+                        filled,
+                        frame_done,
+                    } = p
+                        && (*filled != buf.len() || !*frame_done)
+                    {
+                        return Err(BlocksError::Codec(format!(
+                            "zstd plane {k}: {}",
+                            ends_before(buf.len())
+                        )));
+                    }
+                }
                 let segs: Vec<Vec<&[u8]>> = planes
                     .iter()
                     .map(|p| match p {

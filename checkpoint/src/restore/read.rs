@@ -150,11 +150,23 @@ impl Store {
         }
         let path = self.path(&o.key);
         let received = AtomicU64::new(0);
-        let (path, received) = (&path, &received);
+        // The version the first response came from: a resumed read asks for that one only, so
+        // that an object replaced in between is an error, not two objects stitched together.
+        let e_tag = std::sync::Mutex::new(None::<String>);
+        let (path, received, e_tag) = (&path, &received, &e_tag);
         self.retry("get", &o.key, cancel, || async move {
             let from = received.load(Ordering::Relaxed);
+            if from == o.stored_bytes && from > 0 {
+                // Every byte arrived before the body broke off.
+                return Ok(true);
+            }
             let opts = GetOptions {
                 range: (from > 0).then(|| (from..o.stored_bytes).into()),
+                if_match: if from > 0 {
+                    e_tag.lock().unwrap_or_else(|e| e.into_inner()).clone()
+                } else {
+                    None
+                },
                 ..Default::default()
             };
             let r = self
@@ -162,8 +174,11 @@ impl Store {
                 .get_opts(path, opts)
                 .await
                 .map_err(|e| self.err("get", &o.key, e))?;
-            if from == 0 && r.meta.size != o.stored_bytes {
-                return Err(self.truncated(m.step, o, r.meta.size));
+            if from == 0 {
+                if r.meta.size != o.stored_bytes {
+                    return Err(self.truncated(m.step, o, r.meta.size));
+                }
+                *e_tag.lock().unwrap_or_else(|e| e.into_inner()) = r.meta.e_tag.clone();
             }
             let mut pieces = r.into_stream();
             let mut got = 0u64;

@@ -153,8 +153,16 @@ impl Store {
                         .await
                         .map_err(|e| Error::task_failed("read", e))??;
                     } else {
-                        // Decoded as it arrives, each block written where `ops` put it.
+                        // Decoded as it arrives, each block written where `ops` put it; a
+                        // failure elsewhere stops it at the next block.
+                        let (stop, key) = (abort.clone(), o.key.clone());
+                        let url = self.url().to_string();
                         self.read_object(m, object as usize, abort, move |at, b| {
+                            if stop.is_cancelled() {
+                                return Err(Error::Cancelled {
+                                    op: format!("get {key} on {url}"),
+                                });
+                            }
                             write_block(&ops, &files, at, b)
                         })
                         .await?;

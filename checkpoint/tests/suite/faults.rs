@@ -118,7 +118,8 @@ impl ObjectStore for Unreliable {
         };
         if let Some(cut) = cut {
             // The body arrives in pieces of 64 KiB and breaks off after `cut` bytes, as a
-            // connection reset in the middle of a response does.
+            // connection reset in the middle of a response does (after the last byte too).
+            let body_len = r.range.end - r.range.start;
             let body = match r.payload {
                 object_store::GetResultPayload::Stream(s) => s,
                 _ => unreachable!("an in-memory store streams"),
@@ -152,6 +153,12 @@ impl ObjectStore for Unreliable {
                     });
                     futures::future::ready(Some(piece))
                 })
+                .chain(futures::stream::iter((cut >= body_len).then(|| {
+                    Err(object_store::Error::Generic {
+                        store: "Unreliable",
+                        source: "injected: connection reset after the body".into(),
+                    })
+                })))
                 .boxed();
             r.payload = object_store::GetResultPayload::Stream(cut_off);
         }
@@ -419,6 +426,17 @@ async fn a_remote_chunk_is_one_get_resumed_where_it_broke_off_and_truncation_is_
         *counting.range_starts.lock().unwrap(),
         vec![cut, 2 * 64 * 1024]
     );
+
+    // Broken off after the last byte: nothing is left to ask for, and the read is complete.
+    let gets = counting.gets.load(Ordering::Relaxed);
+    *counting.cut_next_get.lock().unwrap() = Some((key.clone(), part.objects[0].stored_bytes));
+    let report = store
+        .verify(1, &ReadOptions::default(), &cancel())
+        .await
+        .unwrap();
+    assert!(report.bad.is_empty(), "{:?}", report.bad);
+    assert_eq!(counting.gets.load(Ordering::Relaxed) - gets, 3);
+    assert_eq!(counting.range_starts.lock().unwrap().len(), 2);
 
     use object_store::ObjectStoreExt;
     let mut stored = counting

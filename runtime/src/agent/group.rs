@@ -13,7 +13,7 @@ use tracing::Instrument;
 use super::committer::{BETWEEN_GENERATIONS_FLUSH_MS, give_up_step, tracker_complete};
 use super::decide::{DrainOf, StopWhy, must_stop};
 use super::drain::start_drain;
-use super::membership::{Membership, fenced_metrics};
+use super::membership::{Membership, fenced_metrics, leave};
 use super::{Agent, FLUSH_TIMEOUT_MS};
 use crate::events::{DrainReason, Event};
 use crate::notice;
@@ -23,6 +23,9 @@ use crate::worker_env::GenerationView;
 
 /// How often the agent looks for the first step of a new worker group.
 const FIRST_STEP_POLL_MS: u64 = 50;
+/// How long a drained node waits for etcd to record its last step before it leaves early;
+/// past it, it leaves once its workers exit, as without the early leave.
+const EARLY_LEAVE_REPORT_MS: u64 = 2_000;
 
 /// How a worker group ended, and why the agent stopped it if it did.
 pub(super) struct GroupEnd {
@@ -71,6 +74,7 @@ impl Agent {
             restart_count: *restarts,
         });
         let mut first_step_seen = false;
+        let mut early_leave_tried = false;
         let mut first_step_poll = tokio::time::interval(Duration::from_millis(FIRST_STEP_POLL_MS));
         let mut stop_why: Option<StopWhy> = None;
         let mut committed_rx = committer.committed.clone();
@@ -145,19 +149,29 @@ impl Agent {
                     let latest = committer.latest_point();
                     // A drained node is done once its workers' last step is committed: it
                     // leaves now, and peers re-form from that step while its workers exit.
+                    // Tried once, and bounded: this loop must stay responsive (a second signal,
+                    // the fence); when etcd is slow the drain ends as it would have.
                     if let (Membership::Etcd(m), Some(point), Some(last)) =
                         (&mut *membership, latest, state.last_saved_step())
+                        && !early_leave_tried
                         && drain.is_some_and(|d| d.of == DrainOf::Local)
                         && m.is_member()
                         && point.step >= last
-                        && m.leave_after_commit(point).await
                     {
-                        tracing::info!(step = point.step, "drained step committed; left the job while the workers exit");
-                        node.events.emit(Event::Left { step: Some(point.step), workers_running: true });
-                        if let Some(a) = approval.take() {
-                            notice::approve(&a, &node.state.metrics).await;
+                        early_leave_tried = true;
+                        let report = Duration::from_millis(EARLY_LEAVE_REPORT_MS);
+                        if tokio::time::timeout(report, m.report_for_leave(point)).await == Ok(true) {
+                            // Nothing the workers save from now on is this node's to commit.
+                            state.refuse_saves(format!("this node left the job after its drained step {} was committed", point.step));
+                            tracing::info!(step = point.step, "drained step committed; leaving the job while the workers exit");
+                            node.events.emit(Event::Left { step: Some(point.step), workers_running: true });
+                            leave(membership).await;
+                            if let Some(a) = approval.take() {
+                                notice::approve(&a, &node.state.metrics).await;
+                            }
+                            continue;
                         }
-                        continue;
+                        tracing::warn!(step = point.step, "cannot record the drained step in etcd in time; leaving once the workers exit");
                     }
                     // Never awaited here: with etcd unreachable a report takes up to its whole
                     // budget, and this loop must go on taking parts, signals and the fence.

@@ -120,17 +120,12 @@ impl EtcdMember {
         }
     }
 
-    /// A draining node whose workers' last step is `point`, committed: reports it and, once
-    /// etcd has recorded it, leaves the job at once, so that peers re-form from that step
-    /// without waiting for this node's workers to finish exiting. Returns whether it left (not
-    /// when etcd did not take the report: the drain then ends as it would have).
-    pub(super) async fn leave_after_commit(&mut self, point: CommitPoint) -> bool {
+    /// A draining node whose workers' last step is `point`, committed: reports it, and says
+    /// whether etcd recorded it, so that the node may leave at once and peers re-form from that
+    /// step without waiting for this node's workers to finish exiting.
+    pub(super) async fn report_for_leave(&mut self, point: CommitPoint) -> bool {
         self.report(point).await;
-        if self.handle.is_none() || self.reported.is_none_or(|r| r < point.step) {
-            return false;
-        }
-        leave_etcd(self).await;
-        true
+        self.handle.is_some() && self.reported.is_some_and(|r| r >= point.step)
     }
 
     /// Whether this node is still a member of the job (it has not left, and is not fenced
