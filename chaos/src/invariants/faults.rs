@@ -116,7 +116,11 @@ pub fn effects(events: &[Record], fired: &[Fired]) -> Vec<FaultEffect> {
 /// Whether node `node` was fenced at `t`: its last `fenced` event before `t` came after its
 /// last `joined`.
 fn fenced_at(events: &[Record], node: usize, t: u64) -> bool {
-    let name = format!("node{node}");
+    fenced_name_at(events, &format!("node{node}"), t)
+}
+
+/// [`fenced_at`] for the node named `name`.
+fn fenced_name_at(events: &[Record], name: &str, t: u64) -> bool {
     let last = |fenced: bool| {
         events
             .iter()
@@ -134,6 +138,30 @@ fn fenced_at(events: &[Record], node: usize, t: u64) -> bool {
         (Some(_), None) => true,
         _ => false,
     }
+}
+
+/// Whether a peer of `node` in the generation current at `t` was fenced at `t`: its workers
+/// were stopped (its lease lapsed, as every node's may while etcd restarts), so the preempted
+/// node's workers can neither agree on the drained step with it nor get its part of it.
+fn peer_fenced_at(events: &[Record], node: usize, t: u64) -> bool {
+    let g = generation_at(events, t);
+    let me = format!("node{node}");
+    let members: std::collections::BTreeSet<&str> = events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::Generation {
+                generation,
+                members,
+                ..
+            } if *generation == g => Some(members),
+            _ => None,
+        })
+        .flatten()
+        .map(String::as_str)
+        .collect();
+    members
+        .into_iter()
+        .any(|m| m != me && fenced_name_at(events, m, t))
 }
 
 /// Whether node `node` was cut off from etcd (a partition or a blackhole of it in effect) at
@@ -258,7 +286,7 @@ fn steps_in_store_time(s: &Scenario, events: &[Record], t: u64) -> u64 {
 ///    before it ([`steps_in_store_time`]), never more than the pipeline's depth. A
 ///    preemption's bound of 0 is not widened by any of these: its drained step commits
 ///    regardless; it gets the crash's bound only when nothing was left to save (the node
-///    fenced or cut off, a peer cut off before its drain began, a staging filesystem full,
+///    fenced or cut off, a peer fenced, or cut off before its drain began, a staging filesystem full,
 ///    the group broken by a crash or already stopping for a newer generation). Steps lost are counted from the step training
 ///    resumed from, in the first generation after the fault that trained.
 pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]) -> Check {
@@ -287,13 +315,16 @@ pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]
         } + s.checkpoint_interval * given_up;
         let bound = match e.kind {
             // A node already fenced (cut off from etcd, its workers stopped) when the
-            // preemption came has nothing left to save: it lost what a partition loses.
+            // preemption came has nothing left to save: it lost what a partition loses. So
+            // has one whose peer was already fenced (every lease may lapse while etcd
+            // restarts): the drained step lacks that peer's part.
             // Nor can a drain while any node's staging filesystem is full: the agreed step
             // lacks that node's part. Nor a drain of a group that a crash already broke, or
             // that a newer generation already stopped, or one a peer was cut off from before
             // the drain began (its workers cannot agree on the step with that peer).
             k if k.is_preemption()
                 && (fenced_at(events, e.node, e.at_unix_ms)
+                    || peer_fenced_at(events, e.node, e.at_unix_ms)
                     || cut_off_at(fired, e.node, e.at_unix_ms)
                     || staging_full_anywhere_at(fired, e.at_unix_ms)
                     || group_failed_at(events, fired, e.at_unix_ms)
@@ -710,6 +741,36 @@ mod tests {
         let mut pre = evs.clone();
         pre.push(joined(500, "node2", false));
         assert!(!ok(&pre, FaultKind::SigtermAgent));
+    }
+
+    /// Soak seed 20261216, run 78: etcd restarted, the leases of node0 and node1 lapsed and
+    /// they stopped their workers, and 0.4 s later node2 was preempted: its drain could not
+    /// save a step without their parts.
+    #[test]
+    fn a_preemption_after_a_peer_of_its_generation_was_fenced_may_lose_what_a_crash_loses() {
+        let s = scenario();
+        let lost_ok = |evs: &[Record]| lost_work_check(&s, evs, &fired(FaultKind::SigtermAgent)).ok;
+        let mut evs = events();
+        evs.push(joined(500, "node2", false));
+        for e in evs.iter_mut() {
+            if let Event::Generation {
+                generation: 1,
+                members,
+                ..
+            } = &mut e.event
+            {
+                *members = vec!["node0".into(), "node1".into(), "node2".into()];
+            }
+        }
+        assert!(!lost_ok(&evs));
+        evs.push(fenced(3400, "node7"));
+        assert!(!lost_ok(&evs), "a node outside the generation");
+        evs.push(fenced(3600, "node1"));
+        assert!(!lost_ok(&evs), "fenced after the signal");
+        evs.push(fenced(3400, "node1"));
+        assert!(lost_ok(&evs));
+        evs.push(joined(3450, "node1", true));
+        assert!(!lost_ok(&evs), "the peer joined again before the signal");
     }
 
     #[test]
