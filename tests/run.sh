@@ -22,7 +22,15 @@ logdir="$(mktemp -d)"
 trap 'rm -rf "$logdir"' EXIT
 status=0
 echo "== cargo test (all features)"
-cargo test --workspace --all-features --no-fail-fast 2>&1 | tee "$logdir/cargo.log" || status=1
+# Each test binary's start time goes to $logdir/times, for the per-binary durations below.
+cargo_started_s=$SECONDS
+cargo test --workspace --all-features --no-fail-fast 2>&1 | while IFS= read -r line || [ -n "$line" ]; do
+    printf '%s\n' "$line"
+    case "$line" in
+      "     Running "*|"   Doc-tests "*) printf '%s %s\n' "$SECONDS" "$line" >>"$logdir/times" ;;
+    esac
+  done | tee "$logdir/cargo.log" || status=1
+cargo_ended_s=$SECONDS
 
 py_passed=0; py_failed=0
 if [ -d runtime/python/tests ]; then
@@ -40,6 +48,11 @@ read -r rs_passed rs_failed rs_ignored < <(awk '/^test result:/ {
       if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) g += $i
     } } END { print p+0, f+0, g+0 }' "$logdir/cargo.log")
 echo
+echo "test binaries taking 30 s or more (of $(( cargo_ended_s - cargo_started_s )) s of cargo test, build included):"
+if [ -f "$logdir/times" ]; then
+  awk -v end="$cargo_ended_s" '{ t[NR] = $1; $1 = ""; name[NR] = $0 }
+    END { for (i = 1; i <= NR; i++) { d = (i < NR ? t[i+1] : end) - t[i]; if (d >= 30) printf "  %5d s %s\n", d, name[i] } }' "$logdir/times"
+fi
 echo "rust: ${rs_passed:-0} passed, ${rs_failed:-0} failed, ${rs_ignored:-0} ignored"
 echo "python: ${py_passed} passed, ${py_failed} failed"
 echo "wall time: $(( $(date +%s) - start_s )) s"
