@@ -265,25 +265,7 @@ impl ChunkDecoder {
                     self.emitted += n;
                 }
             }
-            State::Zstd {
-                dec,
-                buf,
-                filled,
-                frame_done,
-            } => {
-                let mut input: &[u8] = &piece;
-                Self::stream_zstd(
-                    dec,
-                    &mut input,
-                    buf,
-                    filled,
-                    frame_done,
-                    self.raw_len,
-                    &mut self.raw_crc,
-                    &mut self.emitted,
-                    sink,
-                )?;
-            }
+            State::Zstd { .. } => self.feed_zstd(&piece, sink)?,
             State::Planes { .. } => {
                 while !piece.is_empty() {
                     let State::Planes {
@@ -337,6 +319,34 @@ impl ChunkDecoder {
             }
         }
         Ok(())
+    }
+
+    /// Feeds `input` to a `zstd` chunk's decoder (see [`ChunkDecoder::stream_zstd`]).
+    fn feed_zstd<E>(
+        &mut self,
+        mut input: &[u8],
+        sink: &mut impl FnMut(u64, &[u8]) -> Result<(), E>,
+    ) -> Result<(), BlocksError<E>> {
+        let State::Zstd {
+            dec,
+            buf,
+            filled,
+            frame_done,
+        } = &mut self.state
+        else {
+            return Ok(());
+        };
+        Self::stream_zstd(
+            dec,
+            &mut input,
+            buf,
+            filled,
+            frame_done,
+            self.raw_len,
+            &mut self.raw_crc,
+            &mut self.emitted,
+            sink,
+        )
     }
 
     /// Streams `input` of a `zstd` chunk through `buf`, handing each full block on. Output
@@ -405,26 +415,18 @@ impl ChunkDecoder {
                 self.received, self.stored_len
             )));
         }
+        if matches!(self.state, State::Zstd { .. }) {
+            // No more input: what the decoder still holds comes out.
+            self.feed_zstd(&[], sink)?;
+        }
         match &mut self.state {
             State::Raw => self.raw_crc = self.stored_crc,
             State::Zstd {
-                dec,
                 buf,
                 filled,
                 frame_done,
+                ..
             } => {
-                let mut input: &[u8] = &[];
-                Self::stream_zstd(
-                    dec,
-                    &mut input,
-                    buf,
-                    filled,
-                    frame_done,
-                    self.raw_len,
-                    &mut self.raw_crc,
-                    &mut self.emitted,
-                    sink,
-                )?;
                 emit(&mut self.raw_crc, &mut self.emitted, sink, &buf[..*filled])?;
                 if !*frame_done || self.emitted != self.raw_len as u64 {
                     return Err(BlocksError::Codec(ends_before(self.raw_len)));
