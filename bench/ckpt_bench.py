@@ -467,7 +467,8 @@ def bench_restore(a, model, opt, base, disk, moto):
             rm(dest)
             return {"restore_s": t2 - t0, "fetch_s": js["seconds"], "fetch_process_s": t1 - t0, "fetch_cpu_s": js["cpu_s"],
                     "load_s": t2 - t1, "bytes_read": js["bytes_read"], "bytes_needed": js["bytes_needed"],
-                    "stored_bytes": js["step_stored_bytes"], "gets": js["gets"]}
+                    "stored_bytes": js["step_stored_bytes"], "gets": js["gets"],
+                    "fetch_rss_rise_mib": js["rss_rise_bytes"] / 2**20}
         return run
 
     def m_dcp():

@@ -280,8 +280,8 @@ def table_restore(rows):
         out.append(f"\n**{fmt_b(nbytes)} of state**, saved by a world of 2 (restore = newest step -> this "
                    "rank's tensors in the model and optimizer; page cache warm, or dropped before each "
                    "\"cold cache\" row)\n")
-        out.append("| method | restore (median) | range | n | fetch / load | ÷ elastic-run 2->2 (same store) | bytes read | bytes needed | read ÷ needed |")
-        out.append("|---|---|---|---|---|---|---|---|---|")
+        out.append("| method | restore (median) | range | n | fetch / load | ÷ elastic-run 2->2 (same store) | bytes read | bytes needed | read ÷ needed | fetch memory (peak RSS rise) |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
         for (m,), mr in by.items():
             store = "s3" if "(s3)" in m else ("file, cold cache" if "cold cache" in m else "file")
             ref = med(by.get((f"checkpoint restore + elastic_run.load, world 2->2 ({store})",), []), "restore_s")
@@ -289,8 +289,10 @@ def table_restore(rows):
             br = med(mr, "bytes_read")
             need = med(mr, "bytes_needed") or (nbytes if "raw object_store" not in m else None)
             fl = f"{fmt_s(med(mr, 'fetch_s'))} / {fmt_s(med(mr, 'load_s'))}" if med(mr, "fetch_s") else "-"
+            rss = max((r["fetch_rss_rise_mib"] for r in mr if "fetch_rss_rise_mib" in r), default=None)
+            mem = "-" if rss is None else f"{rss:.0f} MiB (largest of {len(mr)})"
             out.append(f"| {m} | {fmt_s(s)} | {rng(mr, 'restore_s')} | {len(mr)} | {fl} | {ratio(s, ref)} | "
-                       f"{fmt_b(br)} | {fmt_b(need)} | {ratio(br, need)} |")
+                       f"{fmt_b(br)} | {fmt_b(need)} | {ratio(br, need)} | {mem} |")
     return out
 
 

@@ -10,7 +10,8 @@
 //!     bench_store restore URL DEST --rank R --world W [--step N] [--concurrency 8]
 //!         `Store::restore` of the newest committed step (or N) for rank R of W into DEST, with
 //!         the bytes it read (`Store::read_stats`: every GET and local read of an object,
-//!         manifests included).
+//!         manifests included), and the peak resident size it rose to over the start (`VmHWM`
+//!         after it, over `VmRSS` before).
 //!
 //! URLs: `file:///abs/dir` or `s3://bucket/prefix` (S3 settings from `AWS_*`, as the agent reads
 //! them). Defaults match the agent's: 32 MiB chunks, 4 uploads and 8 reads in flight.
@@ -142,6 +143,19 @@ async fn raw_get(url: &str, concurrency: usize) -> Result<serde_json::Value> {
     )
 }
 
+/// A `kB` field of `/proc/self/status` (`VmRSS`: resident now; `VmHWM`: the peak so far), in
+/// bytes; 0 where it cannot be read.
+fn proc_status_bytes(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
 async fn restore(
     url: &str,
     dest: &Path,
@@ -157,11 +171,14 @@ async fn restore(
         progress: None,
     };
     let _ = std::fs::remove_dir_all(dest);
+    // The restore's memory: the peak resident size after it, over the resident size before.
+    let rss_start = proc_status_bytes("VmRSS");
     let t = Instant::now();
     let report = store
         .restore(step, rank, world, dest, &opts, &cancel)
         .await?;
     let secs = t.elapsed().as_secs_f64();
+    let rss_peak = proc_status_bytes("VmHWM");
     let read = store.read_stats();
     // Outside the timed part: the step's sizes, for "read vs stored vs needed".
     let m = store.read_manifest(report.step, &cancel).await?;
@@ -170,6 +187,8 @@ async fn restore(
         "saved_world": m.world_size, "tensors": report.tensors,
         "bytes_needed": report.bytes, "bytes_read": read.bytes, "gets": read.gets,
         "step_stored_bytes": m.stored_bytes(), "step_raw_bytes": m.raw_bytes(),
+        "rss_start_bytes": rss_start, "rss_peak_bytes": rss_peak,
+        "rss_rise_bytes": rss_peak.saturating_sub(rss_start), "concurrency": opts.concurrency,
     }))
 }
 
