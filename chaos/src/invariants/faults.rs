@@ -176,17 +176,17 @@ fn cut_off_at(fired: &[Fired], node: usize, t: u64) -> bool {
     })
 }
 
-/// Whether a node other than `node` was partitioned at some time in `[from, to]` with every
-/// node in a network namespace (so the partition cuts its link to its peers, not only to
-/// etcd): while the preempted node's drain got going, a peer its workers cannot reach cannot
-/// agree on the drained step nor save its part of it. On the loopback a partition cuts etcd
-/// and the store only, and the workers still agree.
+/// Whether a node other than `node` was partitioned or blackholed at some time in `[from, to]`
+/// with every node in a network namespace (so the fault takes its link to its peers down too,
+/// not only its way to etcd and the store): while the preempted node's drain got going, a peer
+/// its workers cannot reach cannot agree on the drained step nor save its part of it. On the
+/// loopback these faults cut etcd and the store only, and the workers still agree.
 fn peer_cut_off_during(s: &Scenario, fired: &[Fired], node: usize, from: u64, to: u64) -> bool {
     s.network == Network::Netns
         && fired.iter().any(|f| {
             f.skipped.is_none()
                 && f.fault.node != node
-                && f.fault.kind == FaultKind::Partition
+                && matches!(f.fault.kind, FaultKind::Partition | FaultKind::Blackhole)
                 && f.at_unix_ms <= to
                 && from <= f.at_unix_ms + f.fault.duration_ms
         })
@@ -640,10 +640,10 @@ mod tests {
             generation(6000, "a", 2, 2, Some(10), Some(13)),
             first_step(9000, "a", 2, 11),
         ];
-        let partition_at = |t: u64, node: usize| Fired {
+        let cut_at = |kind: FaultKind, t: u64, node: usize| Fired {
             fault: Fault {
                 at_ms: 0,
-                kind: FaultKind::Partition,
+                kind,
                 node,
                 duration_ms: 4000,
                 delay_ms: 0,
@@ -651,6 +651,13 @@ mod tests {
             at_unix_ms: t,
             skipped: None,
         };
+        let partition_at = |t: u64, node: usize| cut_at(FaultKind::Partition, t, node);
+        // A blackhole takes a namespace's link down as a partition does (soak seed 20261217,
+        // run 35: node1 blackholed 51 ms after a notice reached node0, whose agent acted on it
+        // 0.6 s later, by when the workers' collective with node1 had stalled).
+        let mut blackholed = fired(FaultKind::Notice);
+        blackholed.push(cut_at(FaultKind::Blackhole, 4200, 0));
+        assert!(lost_work_check(&s, &evs, &blackholed).ok);
         let mut f = fired(FaultKind::Notice);
         f.push(partition_at(4200, 0));
         assert_eq!(effects(&evs, &f)[0].detection_ms, Some(900));
