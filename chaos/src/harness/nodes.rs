@@ -35,8 +35,17 @@ pub(super) struct Node {
     pub(super) removed: bool,
 }
 
-/// A tiny HTTP server answering GCP's `instance/preempted`: `FALSE` until `flag` is set. It
-/// serves on `listener` when given (one opened in a node's namespace), else on loopback.
+/// A tiny HTTP server answering GCP's `instance/preempted`: `FALSE` until `flag` is set. As
+/// GCP's does, it holds a `wait_for_change=true` request until the value changes (or
+/// `timeout_sec` passes), so the agent hears of a preemption as it happens rather than at its
+/// next poll. It serves on `listener` when given (one opened in a node's namespace), else on
+/// loopback.
+/// How long the notice server holds a `wait_for_change` request without `timeout_sec`, at most,
+/// and how often it looks at the flag meanwhile.
+const NOTICE_WAIT_S_DEFAULT: u64 = 60;
+const NOTICE_WAIT_S_MAX: u64 = 300;
+const NOTICE_WAIT_POLL_MS: u64 = 10;
+
 async fn notice_server(
     flag: Arc<AtomicBool>,
     listener: Option<std::net::TcpListener>,
@@ -55,7 +64,26 @@ async fn notice_server(
             let flag = flag.clone();
             tokio::spawn(async move {
                 let mut buf = [0u8; 2048];
-                let _ = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf)).await;
+                let n = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf))
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .unwrap_or(0);
+                let line = String::from_utf8_lossy(&buf[..n]);
+                let line = line.lines().next().unwrap_or("");
+                if line.contains("wait_for_change=true") {
+                    let timeout_s = line
+                        .split(['?', '&', ' '])
+                        .find_map(|kv| kv.strip_prefix("timeout_sec="))
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .unwrap_or(NOTICE_WAIT_S_DEFAULT)
+                        .min(NOTICE_WAIT_S_MAX);
+                    let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_s);
+                    // The value only ever turns from FALSE to TRUE.
+                    while !flag.load(Ordering::SeqCst) && tokio::time::Instant::now() < deadline {
+                        tokio::time::sleep(Duration::from_millis(NOTICE_WAIT_POLL_MS)).await;
+                    }
+                }
                 let body = if flag.load(Ordering::SeqCst) {
                     "TRUE"
                 } else {
@@ -270,5 +298,64 @@ impl Drop for Run<'_> {
                 let _ = c.wait();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn get(url: &str, query: &str) -> (String, Duration) {
+        let addr = url
+            .trim_start_matches("gcp=http://")
+            .split('/')
+            .next()
+            .unwrap()
+            .to_string();
+        let t = std::time::Instant::now();
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!(
+            "GET /computeMetadata/v1/instance/preempted{query} HTTP/1.1\r\nHost: x\r\nMetadata-Flavor: Google\r\n\r\n"
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        (
+            out.rsplit("\r\n\r\n").next().unwrap().to_string(),
+            t.elapsed(),
+        )
+    }
+
+    /// The harness's notice server holds a `wait_for_change` request until the preemption,
+    /// as GCP's does, so a notice reaches the agent as it is served.
+    #[tokio::test]
+    async fn the_notice_server_answers_a_waiting_request_when_the_notice_is_served() {
+        let flag = Arc::new(AtomicBool::new(false));
+        let url = notice_server(flag.clone(), None).await.unwrap();
+        let (body, took) = get(&url, "").await;
+        assert_eq!(body, "FALSE");
+        assert!(took < Duration::from_secs(10), "not held: {took:?}");
+        let (body, took) = get(&url, "?wait_for_change=true&timeout_sec=1").await;
+        assert_eq!(body, "FALSE");
+        assert!(
+            took >= Duration::from_millis(900),
+            "held until the timeout: {took:?}"
+        );
+        let waiting = tokio::spawn({
+            let url = url.clone();
+            async move { get(&url, "?wait_for_change=true&timeout_sec=30").await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let served = std::time::Instant::now();
+        flag.store(true, Ordering::SeqCst);
+        let (body, _) = waiting.await.unwrap();
+        assert_eq!(body, "TRUE");
+        // Well before the request's 30 s: it was answered because the notice was served.
+        assert!(
+            served.elapsed() < Duration::from_secs(10),
+            "answered as the notice was served: {:?}",
+            served.elapsed()
+        );
     }
 }
