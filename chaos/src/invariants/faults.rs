@@ -46,9 +46,23 @@ pub fn effects(events: &[Record], fired: &[Fired]) -> Vec<FaultEffect> {
                 .filter(|g| g.record.ts_ms >= t && g.generation > g0)
                 .map(|g| g.generation)
                 .min();
+            // A node that joins a generation again after it trained (fenced while etcd
+            // restarted, say) records that generation once more, with the steps trained in it
+            // as `prev_last_step`: those are not what this fault undid. Only the records from
+            // before a generation first trained count here.
+            let before_training = |g: &crate::events::GenerationSeen<'_>| {
+                first_steps(events)
+                    .filter(|(_, gen_, _)| *gen_ == g.generation)
+                    .map(|(e, _, _)| e.ts_ms)
+                    .min()
+                    .is_none_or(|first| g.record.ts_ms <= first)
+            };
             let (resume_step, lost_steps, recovery_ms) = match next {
                 Some(n) => {
-                    let gens: Vec<_> = generations(events).filter(|g| g.generation == n).collect();
+                    let gens: Vec<_> = generations(events)
+                        .filter(|g| g.generation == n)
+                        .filter(before_training)
+                        .collect();
                     // What training resumed from: `n`'s resume step, or, when `n` was
                     // superseded before it trained (re-formed to resume from a newer commit
                     // of its predecessor, or broken by another fault), that of the first
@@ -60,6 +74,7 @@ pub fn effects(events: &[Record], fired: &[Fired]) -> Vec<FaultEffect> {
                         .unwrap_or(n);
                     let resumed: Vec<_> = generations(events)
                         .filter(|g| g.generation == trained)
+                        .filter(before_training)
                         .collect();
                     let resume = resumed
                         .iter()
@@ -748,6 +763,32 @@ mod tests {
         let mut pre = evs.clone();
         pre.push(joined(500, "node2", false));
         assert!(!ok(&pre, FaultKind::SigtermAgent));
+    }
+
+    /// Soak seed 20261218, run 45: node0 was drained (generation 2 resumed from its step 10 and
+    /// trained on), then etcd restarted, and a fenced peer joined generation 2 again, recording
+    /// it once more with the steps trained in it (30) as `prev_last_step`. Those steps are not
+    /// what the drain undid.
+    #[test]
+    fn a_generation_recorded_again_after_it_trained_does_not_count_its_training_as_lost() {
+        let s = scenario();
+        let evs = vec![
+            generation(1000, "a", 1, 3, None, None),
+            first_step(2000, "a", 1, 1),
+            committed(3000, "a", 10, 1),
+            generation(6000, "a", 2, 2, Some(10), Some(10)),
+            first_step(9000, "a", 2, 11),
+            generation(12_000, "b", 2, 2, Some(10), Some(30)),
+        ];
+        let f = fired(FaultKind::SigtermAgent);
+        let e = &effects(&evs, &f)[0];
+        assert_eq!((e.resume_step, e.lost_steps), (Some(10), Some(0)));
+        assert!(lost_work_check(&s, &evs, &f).ok);
+        // Recorded before the generation trained, a higher step is what the fault undid.
+        let mut early = evs.clone();
+        early[5].ts_ms = 8_000;
+        assert_eq!(effects(&early, &f)[0].lost_steps, Some(20));
+        assert!(!lost_work_check(&s, &early, &f).ok);
     }
 
     /// Soak seed 20261216, run 78: etcd restarted, the leases of node0 and node1 lapsed and
