@@ -142,15 +142,12 @@ impl AgentState {
     /// can add to the job.
     pub fn last_saved_step(&self) -> Option<u64> {
         let s = self.lock();
-        let ranks = s.ranks.clone();
-        if ranks.is_empty() || ranks.len() != s.last_saves.len() {
+        // Only this group's ranks are recorded (checked, and cleared per group): all of them
+        // when there are as many.
+        if s.ranks.is_empty() || s.last_saves.len() != s.ranks.len() {
             return None;
         }
-        ranks
-            .map(|r| s.last_saves.get(&r).copied())
-            .collect::<Option<Vec<u64>>>()?
-            .into_iter()
-            .max()
+        s.last_saves.values().copied().max()
     }
 
     /// The step the workers of this group stopped at for a peer's drain, if they said so.

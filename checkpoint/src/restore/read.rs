@@ -98,6 +98,9 @@ impl Store {
     {
         let o = m.objects[idx].clone();
         let step = m.step;
+        // Numbers that disagree are refused before a request is made.
+        let mut d = ChunkDecoder::new(&o.codec, o.raw_bytes, o.stored_bytes, STREAM_BLOCK_BYTES)
+            .map_err(|reason| self.corrupt(step, &o.key, reason))?;
         let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(PIECES_IN_FLIGHT);
         let store = self.clone();
         let decoder = tokio::task::spawn_blocking(move || {
@@ -105,9 +108,6 @@ impl Store {
                 BlocksError::Codec(reason) => store.corrupt(step, &o.key, reason),
                 BlocksError::Sink(e) => e,
             };
-            let mut d =
-                ChunkDecoder::new(&o.codec, o.raw_bytes, o.stored_bytes, STREAM_BLOCK_BYTES)
-                    .map_err(|reason| store.corrupt(step, &o.key, reason))?;
             while let Some(piece) = rx.blocking_recv() {
                 d.push(piece, &mut sink).map_err(corrupt)?;
             }
