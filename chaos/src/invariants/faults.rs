@@ -44,12 +44,22 @@ fn fenced_name_at(events: &[Record], name: &str, t: u64) -> bool {
     }
 }
 
-/// Whether a peer of `node` in the generation current at `t` was fenced at `t`: its workers
-/// were stopped (its lease lapsed, as every node's may while etcd restarts), so the preempted
-/// node's workers can neither agree on the drained step with it nor get its part of it.
-fn peer_fenced_at(events: &[Record], node: usize, t: u64) -> bool {
+/// Whether a peer of `node` in the generation current at `t` was fenced at `t`, or was fenced
+/// later while `node`'s drain was still under way (before `node` left the job or exited): its
+/// workers were stopped (its lease lapsed, as every node's may while etcd restarts), so the
+/// preempted node's workers can neither agree on the drained step with it nor get its part of
+/// it. A lease that lapses 20 ms into the drain was lost to the same outage as one that lapsed
+/// 20 ms before it (soak 20261219).
+fn peer_fenced_during_drain(events: &[Record], node: usize, t: u64) -> bool {
     let g = generation_at(events, t);
     let me = format!("node{node}");
+    let drain_end = events
+        .iter()
+        .filter(|e| e.node == me && e.ts_ms >= t)
+        .filter(|e| matches!(e.event, Event::Left { .. } | Event::Exit { .. }))
+        .map(|e| e.ts_ms)
+        .min()
+        .unwrap_or(t);
     let members: std::collections::BTreeSet<&str> = events
         .iter()
         .filter_map(|e| match &e.event {
@@ -63,9 +73,14 @@ fn peer_fenced_at(events: &[Record], node: usize, t: u64) -> bool {
         .flatten()
         .map(String::as_str)
         .collect();
-    members
-        .into_iter()
-        .any(|m| m != me && fenced_name_at(events, m, t))
+    members.into_iter().filter(|m| *m != me).any(|m| {
+        fenced_name_at(events, m, t)
+            || events.iter().any(|e| {
+                e.node == m
+                    && (t..=drain_end).contains(&e.ts_ms)
+                    && matches!(e.event, Event::Fenced { .. })
+            })
+    })
 }
 
 /// Whether node `node` was cut off from etcd (a partition or a blackhole of it in effect) at
@@ -228,7 +243,7 @@ pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]
             // the drain began (its workers cannot agree on the step with that peer).
             k if k.is_preemption()
                 && (fenced_at(events, e.node, e.at_unix_ms)
-                    || peer_fenced_at(events, e.node, e.at_unix_ms)
+                    || peer_fenced_during_drain(events, e.node, e.at_unix_ms)
                     || cut_off_at(fired, e.node, e.at_unix_ms)
                     || staging_full_anywhere_at(fired, e.at_unix_ms)
                     || group_failed_at(events, fired, e.at_unix_ms)
@@ -682,7 +697,8 @@ mod tests {
 
     /// Soak seed 20261216, run 78: etcd restarted, the leases of node0 and node1 lapsed and
     /// they stopped their workers, and 0.4 s later node2 was preempted: its drain could not
-    /// save a step without their parts.
+    /// save a step without their parts. Soak seed 20261219, run 14: the same with the lease
+    /// lapsing just after the signal.
     #[test]
     fn a_preemption_after_a_peer_of_its_generation_was_fenced_may_lose_what_a_crash_loses() {
         let s = scenario();
@@ -702,8 +718,23 @@ mod tests {
         assert!(!lost_ok(&evs));
         evs.push(fenced(3400, "node7"));
         assert!(!lost_ok(&evs), "a node outside the generation");
-        evs.push(fenced(3600, "node1"));
-        assert!(!lost_ok(&evs), "fenced after the signal");
+        // Fenced after the signal: once the drained node left, the peer's fence is no cause.
+        evs.push(rec(
+            3_900,
+            "node2",
+            Event::Left {
+                step: Some(60),
+                workers_running: false,
+            },
+        ));
+        let mut late = evs.clone();
+        late.push(fenced(4_000, "node1"));
+        assert!(!lost_ok(&late), "fenced after the drained node left");
+        // Soak seed 20261219, run 14: the peer's lease lapsed 21 ms into the drain, its lease
+        // renewals having failed since etcd restarted a second before.
+        let mut during = evs.clone();
+        during.push(fenced(3_521, "node1"));
+        assert!(lost_ok(&during), "fenced while the drain was under way");
         evs.push(fenced(3400, "node1"));
         assert!(lost_ok(&evs));
         evs.push(joined(3450, "node1", true));
