@@ -11,8 +11,11 @@
 - A cosine LR schedule over --lr-decay-steps, times elastic-run's LR scale (elastic_run.scale_lr);
   gloo on CPU, NCCL on GPU; grad accumulation as the agent sets it.
 - --sample-log DIR records which samples every step trained on (tests read it back).
+- --in-place: recovery in place (elastic_run.InPlace): when the membership changes the workers
+  switch to the new process group and train on from memory, without a restart or a restore.
 """
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -76,9 +79,15 @@ def main():
     p.add_argument("--crash-rank", type=int, default=0)
     p.add_argument("--crash-restarts", type=int, default=1,
                    help="crash only while TORCHELASTIC_RESTART_COUNT is below this")
+    p.add_argument("--in-place", action="store_true",
+                   help="switch to new generations in place instead of being restarted")
     args = p.parse_args()
 
-    backend = er.init()
+    ip = None
+    if args.in_place and "ELASTIC_AGENT_SOCKET" in os.environ:
+        backend = "gloo"
+    else:
+        backend = er.init()
     rank, world = er.rank(), er.world_size()
     device = torch.device("cuda", er.local_rank()) if backend == "nccl" else torch.device("cpu")
     batch = args.batch_size or er.batch_size(32)
@@ -102,15 +111,26 @@ def main():
     # Everything a resume needs, by name: Stateful objects load in place, plain values come
     # back in the mapping.
     state = {"model": model, "opt": opt, "sched": sched, "data": sampler, "progress": None, "rng": None}
-    resumed = er.load(state)
+    if args.in_place and backend == "gloo" and "ELASTIC_AGENT_SOCKET" in os.environ:
+        ip = er.InPlace(state)
+    resumed = er.load(state) if ip is None else None
     if resumed is not None:
         step = resumed
         torch.set_rng_state(state["rng"])
         if rank == 0:
             print(f"resumed from step {step} (samples_seen {sampler.consumed}, saved at world "
                   f"{state['progress']['world_size']})", flush=True)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
-    if dist.is_initialized():
+    if ip is not None:
+        # No collective at construction: a worker that joins a running job gets the weights
+        # from its peers in ip.load(), as survivors of a switch do.
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=ip.group, init_sync=False)
+        ip.attach(ddp)
+        step = ip.load()
+        if rank == 0 and step:
+            print(f"resumed from step {step} (samples_seen {sampler.consumed})", flush=True)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
+    if ip is None and dist.is_initialized():
         # DDP re-buckets gradients after its first backward, which changes the order in which
         # gradient elements are summed across ranks. One backward of a zero loss makes it do so
         # before the first real step of every (re)start, so a resumed run sums in exactly the
@@ -124,18 +144,31 @@ def main():
     saved_step = step
     stop = False
     while step < args.steps:
+        if ip is not None and ip.switch_pending():
+            step = ip.switch(step)
+            rank, world = er.rank(), er.world_size()
+            batch = args.batch_size or er.batch_size(32)
+            accum = er.grad_accum_steps()
+            if sample_log is not None:
+                os.close(sample_log)
+                sample_log = open_sample_log(args.sample_log, rank)
         step += 1
         lr = opt.param_groups[0]["lr"] * lr_scaling.factor(step)
         # This rank's share of the job's next global batch, micro-batch after micro-batch.
         mine = torch.tensor(sampler.rank_ids(sampler.ids(sampler.consumed, sampler.global_batch())))
         opt.zero_grad()
         total = 0.0
-        for a in range(accum):
-            micro = mine[a * batch:(a + 1) * batch]
-            x, y = x_all[micro].to(device), y_all[micro].to(device)
-            loss = torch.nn.functional.mse_loss(ddp(x), y) / accum
-            loss.backward()
-            total += loss.item()
+        with (ip.step() if ip is not None else contextlib.nullcontext()):
+            for a in range(accum):
+                micro = mine[a * batch:(a + 1) * batch]
+                x, y = x_all[micro].to(device), y_all[micro].to(device)
+                loss = torch.nn.functional.mse_loss(ddp(x), y) / accum
+                loss.backward()
+                total += loss.item()
+        if ip is not None and not ip.commit():
+            # The step failed on some rank (a peer is gone): no rank applies it.
+            step -= 1
+            continue
         opt.step()
         sched.step()
         sampler.advance()
@@ -179,6 +212,8 @@ def main():
         time.sleep(args.exit_linger)
     if dist.is_initialized():
         dist.destroy_process_group()
+    if ip is not None:
+        ip.close()
 
 
 if __name__ == "__main__":

@@ -331,6 +331,7 @@ mod tests {
                 resume_step: None,
                 prev_last_step: None,
                 frozen_unix_ms: None,
+                in_place: false,
             },
         )
     }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{Semaphore, mpsc, watch};
-use worker::protocol::{MESSAGE_BYTES_MAX, Reply};
+use worker::protocol::{MESSAGE_BYTES_MAX, Reply, WATCH_HOLD_MS};
 
 use crate::state::{AgentState, Received};
 
@@ -93,7 +93,26 @@ async fn serve_connection(
             send(&mut write, &Reply::Error { message }).await?;
             return Ok(());
         }
+        // Before the request is handled, so that no change between the two is missed.
+        let changes = state.in_place_changes();
         let reply = match state.handle_line(&line) {
+            (
+                Reply::Generation {
+                    generation,
+                    env,
+                    rank_offset,
+                },
+                None,
+            ) if env.is_empty() => {
+                hold_watch(
+                    state,
+                    &line,
+                    (generation, rank_offset),
+                    changes,
+                    &mut shutdown,
+                )
+                .await
+            }
             (reply, None) => reply,
             (reply, Some(part)) => match hand_over_part(state, parts, part).await {
                 Ok(()) => reply,
@@ -150,6 +169,31 @@ async fn hand_over_part(
             std::sync::atomic::Ordering::Relaxed,
         );
     r
+}
+
+/// A `watch` with nothing new to say is held until an offer is made or withdrawn, a switch
+/// completes, the agent shuts down, or [`WATCH_HOLD_MS`] pass; then it is answered as it
+/// stands.
+async fn hold_watch(
+    state: &AgentState,
+    line: &[u8],
+    (generation, rank_offset): (u64, u32),
+    mut changes: watch::Receiver<u64>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Reply {
+    tokio::select! {
+        () = stopped(shutdown) => {}
+        _ = tokio::time::timeout(Duration::from_millis(WATCH_HOLD_MS), changes.changed()) => {}
+    }
+    match state.handle_line(line) {
+        (reply, None) => reply,
+        // A watch hands over no part; answer as before should that ever change.
+        (_, Some(_)) => Reply::Generation {
+            generation,
+            rank_offset,
+            env: Default::default(),
+        },
+    }
 }
 
 /// Resolves once `shutdown` is true (or its sender is gone).

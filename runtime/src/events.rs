@@ -8,7 +8,7 @@
 //! |---|---|
 //! | `rdzv_served` | `endpoint` (the c10d rendezvous, `HOST:PORT`), `listen` (the client URL its etcd listens on), `pid` (etcd's): this node serves the rendezvous |
 //! | `joined` | `addr`, `rejoin` (`true`, only when the node joined again after a fence) |
-//! | `generation` | `generation`, `world_size`, `node_rank`, `rank_offset`, `members`, `lr_scale`, `lr`, `batch_size`, `global_batch`, `grad_accum_steps`, `resume_step`, `prev_last_step` (the highest step this node's workers reported before), `frozen_unix_ms` (when the leader froze it; etcd membership only) |
+//! | `generation` | `generation`, `world_size`, `node_rank`, `rank_offset`, `members`, `lr_scale`, `lr`, `batch_size`, `global_batch`, `grad_accum_steps`, `resume_step`, `prev_last_step` (the highest step this node's workers reported before), `frozen_unix_ms` (when the leader froze it; etcd membership only), `in_place` (true when the running workers switched to it without a restart; `resume_step` is then the highest step they had reported; absent otherwise) |
 //! | `workers_started` | `generation`, `restart_count` |
 //! | `first_step` | `generation`, `step` (the first progress report of a worker group) |
 //! | `checkpoint_committed` | `step`, `generation`, `bytes`, `by_this_node`, `store_ms` (this node's upload and commit time in the store) |
@@ -84,6 +84,9 @@ pub enum Event {
         /// fixed membership.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         frozen_unix_ms: Option<u64>,
+        /// The running workers switched to it in place (no restart, no restore).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        in_place: bool,
     },
     WorkersStarted {
         generation: u64,
@@ -277,6 +280,7 @@ mod tests {
                 resume_step: Some(10),
                 prev_last_step: Some(13),
                 frozen_unix_ms: Some(1_796_000_000_000),
+                in_place: false,
             },
             Event::WorkersStarted {
                 generation: 3,
@@ -472,6 +476,7 @@ mod tests {
             resume_step: None,
             prev_last_step: None,
             frozen_unix_ms: None,
+            in_place: false,
         })
         .unwrap();
         for k in [

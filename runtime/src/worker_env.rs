@@ -246,6 +246,39 @@ pub fn worker_env(
     Ok(env)
 }
 
+/// The environment variables of a worker that change with the generation, for workers that
+/// switch to `view` in place (the `generation` reply's `env`): the world and node counts, the
+/// master, the generation, and every scaling variable ("" for one the generation leaves
+/// unset). `RANK` and `ROLE_RANK` follow from the reply's rank offset; `ELASTIC_RESUME_*` are
+/// "" (the workers continue from memory).
+pub fn generation_env(view: &GenerationView) -> std::collections::BTreeMap<String, String> {
+    let mut env: std::collections::BTreeMap<String, String> = [
+        "ELASTIC_LR",
+        "ELASTIC_GLOBAL_BATCH",
+        "ELASTIC_BATCH_SIZE",
+        "ELASTIC_RESUME_STEP",
+        "ELASTIC_RESUME_DIR",
+    ]
+    .into_iter()
+    .map(|k| (k.to_string(), String::new()))
+    .collect();
+    for (k, v) in [
+        ("WORLD_SIZE", view.world_size.to_string()),
+        ("ROLE_WORLD_SIZE", view.world_size.to_string()),
+        ("GROUP_RANK", view.node_rank.to_string()),
+        ("GROUP_WORLD_SIZE", view.node_count.to_string()),
+        ("MASTER_ADDR", view.master_addr.clone()),
+        ("MASTER_PORT", view.master_port.to_string()),
+        ("ELASTIC_GENERATION", view.generation.to_string()),
+    ] {
+        env.insert(k.to_string(), v);
+    }
+    for (k, v) in view.scaling.env() {
+        env.insert(k.to_string(), v);
+    }
+    env
+}
+
 fn path_str(p: &Path) -> String {
     p.to_string_lossy().into_owned()
 }

@@ -164,6 +164,7 @@ mod tests {
                 resume_step: resume,
                 prev_last_step: prev,
                 frozen_unix_ms: None,
+                in_place: false,
             },
         )
     }

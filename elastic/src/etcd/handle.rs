@@ -129,6 +129,15 @@ impl Handle {
         }
     }
 
+    /// Records `g` as joined without [`Handle::next_generation`] (the agent's workers switched
+    /// to it in place), so that `next_generation` does not return it again.
+    pub fn mark_joined(&mut self, g: &Generation) {
+        if g.member(&self.cfg.node_id).is_some() {
+            self.last_returned = Some((g.number, g.created_unix_ms));
+            self.span.record("generation", g.number);
+        }
+    }
+
     /// Resolves when this node's lease is lost or could not be renewed in time; the error
     /// says why. Resolves before the TTL ends, so the agent can stop its workers before peers
     /// re-form the job. Cancel-safe; use it in `select!`.

@@ -74,6 +74,7 @@ torch is optional: the environment helpers work without it.
 #   _save          save, async_save, wait, PendingSave, assign_keys, the safetensors writer
 #   _load          load
 #   _load_from     load_from: a checkpoint URL or directory, outside a job
+#   _inplace       InPlace: recovery in place (switch process groups without a restart)
 #
 # Constants are re-exported here for reading; patch them where they are defined (e.g.
 # elastic_run.protocol.METADATA_BYTES_MAX, elastic_run._connection.SAVED_TIMEOUT_S), as the
@@ -105,6 +106,7 @@ from ._env import (
     warmup_steps,
     world_size,
 )
+from ._inplace import InPlace, SwitchError
 from ._load import load
 from ._load_from import CheckpointUnavailable, load_from
 from ._lr import LRScaling, scale_lr
@@ -151,6 +153,8 @@ __all__ = [
     "CheckpointUnavailable",
     "report_progress",
     "assign_keys",
+    "InPlace",
+    "SwitchError",
     "FormatError",
     "StateError",
 ]

@@ -40,7 +40,15 @@ def init(backend=None, **kwargs):
 
 
 def _all_reduce_max(values):
-    """Element-wise MAX of a short int list across all ranks: the one collective per step."""
+    """Element-wise MAX of a short int list across all ranks: the one collective per step.
+    Under recovery in place it runs on the switchable group; when it fails there (a peer is
+    gone) the step is marked failed and the local values are returned: the loop switches
+    before its next step."""
+    from . import _state
+
+    ip = _state.in_place
+    if ip is not None:
+        return ip._all_reduce_max(values)
     dist = _dist()
     if dist is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return list(values)

@@ -17,13 +17,16 @@ checkpoint_request_seen = None
 stop_step = None
 # Whether save/async_save warned that they run outside elastic-run.
 warned_no_staging = False
+# The InPlace of this worker's loop (recovery in place), once made: the group collectives of the
+# client go through it.
+in_place = None
 # The async_save in flight (a PendingSave), if any. Not reset by _reset_for_tests.
 pending = None
 pending_lock = threading.Lock()
 
 
 def _reset_for_tests():
-    global agent, last_progress, checkpoint_at, checkpoint_request_seen, warned_no_staging, stop_step
+    global agent, last_progress, checkpoint_at, checkpoint_request_seen, warned_no_staging, stop_step, in_place
     if agent is not None:
         agent.close()
     agent = None
@@ -32,3 +35,4 @@ def _reset_for_tests():
     checkpoint_request_seen = None
     stop_step = None
     warned_no_staging = False
+    in_place = None

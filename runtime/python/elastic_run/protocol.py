@@ -67,6 +67,8 @@ MSG_QUERY = "query"
 MSG_PEER_STOP = "peer_stop"
 MSG_SAVED = "saved"
 MSG_SKIPPED = "skipped"
+MSG_WATCH = "watch"
+MSG_SWITCHED = "switched"
 # Every request kind and its fields besides `type`, in the order sent (protocol.rs
 # `Request`: rank is a u32, step a u64, dir and reason strings, last a bool).
 REQUESTS = {
@@ -75,12 +77,19 @@ REQUESTS = {
     MSG_PEER_STOP: ("rank", "step"),
     MSG_SAVED: ("rank", "step", "dir", "last"),
     MSG_SKIPPED: ("rank", "step", "reason"),
+    MSG_WATCH: ("rank", "generation"),
+    MSG_SWITCHED: ("rank", "generation"),
 }
 # Reply kinds (agent -> worker). `state` carries should_stop (a bool), should_checkpoint_at (a
 # step or null) and generation; `error` a message.
 REPLY_OK = "ok"
 REPLY_STATE = "state"
 REPLY_ERROR = "error"
+# `generation` carries generation, rank_offset and env (recovery in place, see _inplace).
+REPLY_GENERATION = "generation"
+# The longest the agent holds a `watch` before answering it unchanged (protocol.rs
+# WATCH_HOLD_MS).
+WATCH_HOLD_S = 10.0
 # The reason a skip reports to the agent is cut to this (a message line is bounded).
 _SKIP_REASON_CHARS_MAX = 1000
 
@@ -113,6 +122,18 @@ def _msg_skipped(rank, step, reason):
     return {"type": MSG_SKIPPED, "rank": rank, "step": step, "reason": reason[:_SKIP_REASON_CHARS_MAX]}
 
 
+def _msg_watch(rank, generation):
+    """Rank ``rank`` switches generations in place: answered once the agent offers a generation
+    other than ``generation`` (or after WATCH_HOLD_S, unchanged)."""
+    return {"type": MSG_WATCH, "rank": rank, "generation": int(generation)}
+
+
+def _msg_switched(rank, generation):
+    """Rank ``rank`` (its rank in ``generation``) left its old process group for
+    ``generation``'s, with no save of the old generation in flight."""
+    return {"type": MSG_SWITCHED, "rank": rank, "generation": int(generation)}
+
+
 def _sample_messages():
     """One request of every kind in :data:`REQUESTS`, in that order, built by the same
     functions the client sends them with, from representative values."""
@@ -123,6 +144,8 @@ def _sample_messages():
         _msg_saved(3, 100, "/tmp/elastic-run/staging/step-100/rank-3", last=True),
         _msg_skipped(3, 100, "the staging file system /tmp/elastic-run/staging is full (No space left on "
                              "device; this rank's snapshot is 1048576 bytes, 4096 of 65536 bytes free)"),
+        _msg_watch(3, 4),
+        _msg_switched(1, 5),
     ]
 
 

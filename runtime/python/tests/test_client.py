@@ -75,6 +75,14 @@ class FakeAgent:
                        "should_checkpoint_at": self.checkpoint_at, "generation": 2}
             elif req["type"] == "saved" and self.refuse_saved:
                 rep = {"type": "error", "message": "outside staging"}
+            elif req["type"] == "watch":
+                # Generation 3 is on offer; a rank already in it is held, as the agent does.
+                if req["generation"] == 3:
+                    time.sleep(0.2)
+                    rep = {"type": "generation", "generation": 3, "rank_offset": 0, "env": {}}
+                else:
+                    rep = {"type": "generation", "generation": 3, "rank_offset": 0,
+                           "env": {"WORLD_SIZE": "1", "ELASTIC_LR": ""}}
             else:
                 rep = {"type": "ok"}
             conn.sendall(json.dumps(rep).encode() + b"\n")
@@ -1116,7 +1124,7 @@ class Messages(TorchEnv):
         self.assertEqual(lines[-1], b"", out)
         msgs = [json.loads(line) for line in lines[:-1]]
         self.assertEqual([m["type"] for m in msgs], list(requests))
-        self.assertEqual(set(requests), {"progress", "query", "peer_stop", "saved", "skipped"})
+        self.assertEqual(set(requests), {"progress", "query", "peer_stop", "saved", "skipped", "watch", "switched"})
         for line, m in zip(lines, msgs):
             with self.subTest(kind=m["type"]):
                 self.assertIsInstance(m, dict)
@@ -1126,7 +1134,7 @@ class Messages(TorchEnv):
                     v = m[field]
                     if field == "rank":
                         self.assertTrue(type(v) is int and 0 <= v < er.WORLD_SIZE_MAX, v)
-                    elif field == "step":
+                    elif field in ("step", "generation"):
                         self.assertTrue(type(v) is int and 0 <= v <= er.STEP_MAX, v)
                     elif field == "last":
                         self.assertIs(type(v), bool)
@@ -1164,8 +1172,17 @@ class Messages(TorchEnv):
         with mock.patch.object(er._save, "_write_safetensors", full), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.assertIsNone(er.save(5, model=model))
+        # Recovery in place: the watch thread hears the offer of generation 3; the switch to it
+        # is announced.
+        offers = er._inplace._Offers(2, 0)
+        self.addCleanup(setattr, offers, "stopped", True)
+        self.assertEqual(offers.take(30), (3, 0, {"WORLD_SIZE": "1", "ELASTIC_LR": ""}))
+        offers.stopped = True
+        er._connection._agent_conn().request(er.protocol._msg_switched(0, 3))
+        self.assertEqual(agent.requests[7], er.protocol._msg_watch(0, 2))
+        kinds = [r["type"] for r in agent.requests if r["type"] != "watch"]
+        self.assertEqual(kinds, ["progress", "query", "query", "peer_stop", "saved", "saved", "skipped", "switched"])
         kinds = [r["type"] for r in agent.requests]
-        self.assertEqual(kinds, ["progress", "query", "query", "peer_stop", "saved", "saved", "skipped"])
         self.assertEqual(set(kinds), set(er.protocol.REQUESTS))
         for r in agent.requests:
             with self.subTest(request=r):

@@ -28,7 +28,9 @@ impl Agent {
         view: &GenerationView,
         running_gen: Option<&Arc<Generation>>,
     ) -> Result<ControlFlow<u8>> {
-        let GroupEnd { outcome, stop_why } = end;
+        let GroupEnd {
+            outcome, stop_why, ..
+        } = end;
         let local_drain = self.drain.filter(|d| d.of == DrainOf::Local);
         if let Outcome::Failed(f) = &outcome {
             if local_drain.is_some() {

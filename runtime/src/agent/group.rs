@@ -27,10 +27,25 @@ const FIRST_STEP_POLL_MS: u64 = 50;
 /// past it, it leaves once its workers exit, as without the early leave.
 const EARLY_LEAVE_REPORT_MS: u64 = 2_000;
 
+/// How long the workers have to switch to a generation offered in place before the agent
+/// restarts them into it instead (a worker that cannot leave its old process group).
+const IN_PLACE_SWITCH_MS: u64 = 30_000;
+
 /// How a worker group ended, and why the agent stopped it if it did.
 pub(super) struct GroupEnd {
     pub(super) outcome: Outcome,
     pub(super) stop_why: Option<StopWhy>,
+    /// The generation the group ended in (a later one than it started in when its workers
+    /// switched in place).
+    pub(super) view: GenerationView,
+    pub(super) generation: Option<Arc<Generation>>,
+}
+
+/// A generation offered to the running workers in place, until they all switched.
+struct Switch {
+    view: GenerationView,
+    generation: Arc<Generation>,
+    offered: Instant,
 }
 
 impl Agent {
@@ -40,6 +55,8 @@ impl Agent {
         view: &GenerationView,
         running_gen: Option<&Arc<Generation>>,
     ) -> Result<GroupEnd> {
+        let mut view = view.clone();
+        let mut running_gen = running_gen.cloned();
         let Agent {
             node,
             membership,
@@ -87,6 +104,8 @@ impl Agent {
         }
         // A complete step waiting for room in the commit queue.
         let mut held: Option<StepToCommit> = None;
+        let mut switching: Option<Switch> = None;
+        let mut in_place_rx = state.in_place_changes();
         let outcome = loop {
             tokio::select! {
                 out = &mut sup => break out.context("supervisor task")?,
@@ -123,7 +142,7 @@ impl Agent {
                 // parts are taken meanwhile, so they wait in their channel and, once that is
                 // full, workers wait for their `saved` reply.
                 Some(r) = parts_rx.recv(), if held.is_none() => {
-                    if let Some(step) = tracker_complete(node, view, tracker, r) {
+                    if let Some(step) = tracker_complete(node, &view, tracker, r) {
                         held = committer.try_submit(step).err();
                     }
                 }
@@ -179,15 +198,68 @@ impl Agent {
                         m.report_soon(point);
                     }
                 }
+                Ok(()) = in_place_rx.changed(), if switching.is_some() => {
+                    let done = switching.as_ref().is_some_and(|sw| state.generation() == sw.view.generation);
+                    if let Some(sw) = switching.take_if(|_| done) {
+                        // Every local worker left its old process group for the new one.
+                        if let Membership::Etcd(m) = &mut *membership
+                            && let Some(h) = m.handle.as_mut()
+                        {
+                            h.mark_joined(&sw.generation);
+                        }
+                        let reached = state.step_before_switch();
+                        *last_step_reached = reached.or(*last_step_reached);
+                        view = sw.view;
+                        view.resume = None;
+                        running_gen = Some(sw.generation);
+                        tracing::info!(generation = view.generation, world_size = view.world_size, ms = sw.offered.elapsed().as_millis() as u64, "the workers switched to the new generation in place");
+                        let mut shown = view.clone();
+                        shown.resume = reached.map(|step| crate::worker_env::ResumePoint { step, dir: Default::default() });
+                        super::emit_generation(node, &shown, running_gen.as_deref(), *last_step_reached, true);
+                        // The next step reported is the new generation's first.
+                        first_step_seen = false;
+                        state.metrics.generations_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        // What etcd showed meanwhile is judged against the new generation.
+                        if let Some(rx) = snap_rx.as_mut() {
+                            rx.mark_changed();
+                        }
+                    }
+                }
+                () = async {
+                    let sw = switching.as_ref().expect("guarded");
+                    tokio::time::sleep_until((sw.offered + Duration::from_millis(IN_PLACE_SWITCH_MS)).into()).await
+                }, if switching.is_some() && stop_why.is_none() => {
+                    let sw = switching.take().expect("guarded");
+                    state.withdraw_offer();
+                    tracing::warn!(generation = sw.view.generation, "the workers did not switch to the new generation in place in time; restarting them into it");
+                    stop_why = Some(StopWhy::NewGeneration);
+                    let _ = cmd_tx.send(Command::Stop).await;
+                }
                 Ok(()) = async { snap_rx.as_mut().expect("guarded").changed().await }, if snap_rx.is_some() && stop_why.is_none() => {
                     let snap = snap_rx.as_mut().expect("guarded").borrow_and_update().clone();
-                    let Some(g) = running_gen else { continue };
+                    let Some(g) = running_gen.as_ref() else { continue };
                     if drain.is_some() {
                         // The workers are saving the agreed step and exit on their own (or at
                         // the drain deadline): let them finish the save.
                         continue;
                     }
                     if let Some(why) = must_stop(&snap, g) {
+                        if why == StopWhy::NewGeneration
+                            && let Some(newest) = snap.generation.as_ref()
+                        {
+                            if switching.as_ref().is_some_and(|sw| sw.view.generation == newest.number) {
+                                // Offered already; the workers are switching.
+                                continue;
+                            }
+                            if let Some(sw) = offer_in_place(node, newest, switching.is_some()) {
+                                tracing::info!(generation = sw.view.generation, world_size = sw.view.world_size, "offering the new generation to the running workers in place");
+                                switching = Some(sw);
+                                continue;
+                            }
+                        }
+                        if switching.take().is_some() {
+                            state.withdraw_offer();
+                        }
                         tracing::warn!(?why, "stopping the workers");
                         stop_why = Some(why);
                         let _ = cmd_tx.send(Command::Stop).await;
@@ -231,7 +303,7 @@ impl Agent {
         let handover_deadline = Instant::now() + handover_limit;
         let mut pending: Vec<StepToCommit> = held.take().into_iter().collect();
         while let Ok(r) = parts_rx.try_recv() {
-            pending.extend(tracker_complete(node, view, tracker, r));
+            pending.extend(tracker_complete(node, &view, tracker, r));
         }
         for step in pending {
             if let Err(dropped) = committer.submit_until(step, handover_deadline).await {
@@ -249,6 +321,42 @@ impl Agent {
                 }
             }
         }
-        Ok(GroupEnd { outcome, stop_why })
+        if switching.is_some() {
+            state.withdraw_offer();
+        }
+        Ok(GroupEnd {
+            outcome,
+            stop_why,
+            view,
+            generation: running_gen,
+        })
     }
+}
+
+/// Offers `newest` to the running workers in place when they can take it: this node is in it
+/// and every local worker watches for generations (`reoffer`: they did when the offer it
+/// replaces was made). `None`: the workers are restarted into it instead.
+fn offer_in_place(node: &super::Node, newest: &Generation, reoffer: bool) -> Option<Switch> {
+    let state = &node.state;
+    if !reoffer && !state.workers_switch_in_place() {
+        return None;
+    }
+    let view = match super::membership::generation_view(node, newest) {
+        Ok(v) => v,
+        Err(e) => {
+            tracing::debug!(error = %e, "not switching in place");
+            return None;
+        }
+    };
+    state.offer_in_place(crate::state::InPlaceOffer {
+        generation: view.generation,
+        world_size: view.world_size,
+        ranks: view.rank_offset..view.rank_offset + node.nproc,
+        env: crate::worker_env::generation_env(&view),
+    });
+    Some(Switch {
+        view,
+        generation: Arc::new(newest.clone()),
+        offered: Instant::now(),
+    })
 }

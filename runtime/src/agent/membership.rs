@@ -263,7 +263,7 @@ pub(super) async fn wait_generation(
 }
 
 /// This node's view of an etcd generation.
-fn generation_view(node: &Node, g: &Generation) -> Result<GenerationView> {
+pub(super) fn generation_view(node: &Node, g: &Generation) -> Result<GenerationView> {
     let Some((rank, me)) = g.member(&node.node_id) else {
         bail!("generation {} does not include this node", g.number);
     };

@@ -250,8 +250,11 @@ impl Agent {
                     &view,
                     generation.as_deref(),
                     self.last_step_reached,
+                    false,
                 );
                 let ended = self.run_group(&view, generation.as_ref()).await?;
+                // The generation the group ended in: a later one when it switched in place.
+                let (view, generation) = (ended.view.clone(), ended.generation.clone());
                 self.after_group(ended, &view, generation.as_ref()).await
             }
             .instrument(span)
@@ -372,6 +375,7 @@ fn emit_generation(
     view: &GenerationView,
     g: Option<&Generation>,
     prev_last_step: Option<u64>,
+    in_place: bool,
 ) {
     let s = &view.scaling;
     tracing::info!(
@@ -403,5 +407,6 @@ fn emit_generation(
         resume_step: view.resume.as_ref().map(|r| r.step),
         prev_last_step,
         frozen_unix_ms: g.map(|g| g.created_unix_ms),
+        in_place,
     });
 }

@@ -320,6 +320,66 @@ fn sigkill_of_one_agent_leaves_survivors_training_at_world_4_with_rescaled_lr() 
     assert!(job.committed_steps().contains(&70));
 }
 
+#[test]
+fn sigkill_of_one_node_leaves_the_survivors_switching_in_place_without_a_restart() {
+    let job = Job::new("file");
+    let train = ["--steps", "60", "--step-sleep", "0.1", "--in-place"];
+    let a = job.start("a", "2:3", &train);
+    let b = job.start("b", "2:3", &train);
+    let c = job.start("c", "2:3", &train);
+    let g1 = job.wait_event("generation at world 6", LONG, |e| {
+        is(e, "generation") && e["world_size"] == 6
+    });
+    let gen1 = g1["generation"].as_u64().unwrap();
+    job.wait_event("a commit at step 10", LONG, |e| {
+        is(e, "checkpoint_committed") && e["step"].as_u64() >= Some(10)
+    });
+    let (workers_a, workers_b) = (children(a.pid()), children(b.pid()));
+    assert_eq!((workers_a.len(), workers_b.len()), (2, 2));
+    let killed_at = events_now();
+    signal(&c.child, libc::SIGKILL);
+    let mut c = c;
+    let _ = c.child.wait();
+    let g2 = job.wait_event("the survivors' generation at world 4", LONG, |e| {
+        is(e, "generation")
+            && e["world_size"] == 4
+            && node_of(e) == "a"
+            && e["generation"].as_u64() > Some(gen1)
+    });
+    assert_eq!(g2["in_place"], true, "the workers switched in place: {g2}");
+    assert_eq!(g2["members"], serde_json::json!(["a", "b"]), "{g2}");
+    let scale = g2["lr_scale"].as_f64().unwrap();
+    assert!((scale - 4.0 / 6.0).abs() < 1e-9, "LR scale {scale}");
+    let first = job.wait_event("first step of the new generation", LONG, |e| {
+        is(e, "first_step") && e["generation"] == g2["generation"] && node_of(e) == "a"
+    });
+    eprintln!(
+        "recovery in place after SIGKILL: {} ms from the kill to the survivors' first step",
+        first["ts_ms"].as_u64().unwrap() - killed_at
+    );
+    // The same processes train on: nothing was restarted or restored.
+    assert_eq!(children(a.pid()), workers_a);
+    assert_eq!(children(b.pid()), workers_b);
+    let (code_a, out_a, err_a) = a.finish(LONG);
+    let (code_b, _, err_b) = b.finish(LONG);
+    assert_eq!(code_a, 0, "{out_a}\n{err_a}");
+    assert_eq!(code_b, 0, "{err_b}");
+    assert!(
+        out_a.contains(&format!("switched to generation {}", g2["generation"])),
+        "{out_a}"
+    );
+    assert!(out_a.contains("world 4 accum 1"), "{out_a}");
+    assert!(out_a.contains("done step 60 "), "{out_a}");
+    for e in job.events() {
+        assert!(
+            !(is(&e, "workers_started") && e["generation"] == g2["generation"]),
+            "no worker group was started for the new generation: {e}"
+        );
+        assert!(!is(&e, "restore_fell_back"), "{e}");
+    }
+    assert!(job.committed_steps().contains(&60));
+}
+
 fn events_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -24,6 +24,8 @@
 //! | `{"type":"query"}` | what should the workers do? | `state` |
 //! | `{"type":"skipped","rank":R,"step":S,"reason":"..."}` | rank R could not write its snapshot of step S (its staging file system is full): the agent gives the step up in the store, so no node waits for the part | `ok` |
 //! | `{"type":"peer_stop","rank":R,"step":S}` | the workers agreed to stop at step S because another node's agent asked, not this one (its clean exit is then no end of the job) | `ok` |
+//! | `{"type":"watch","rank":R,"generation":G}` | rank R switches generations in place (recovery in place): tell it when the job runs a generation other than G. Every rank of the node must watch for the agent to switch in place | `generation`, at once when the agent offers another generation, else after at most [`WATCH_HOLD_MS`] (then with G again) |
+//! | `{"type":"switched","rank":R,"generation":G}` | rank R (its rank in G) left its old process group for generation G's, and has no save of the old generation in flight | `ok` |
 //!
 //! Steps are at most [`STEP_MAX`]; ranks must be the agent's node's ranks of the current
 //! generation.
@@ -35,6 +37,11 @@
 //!   `should_stop` is set while the agent drains (SIGTERM, SIGINT, a preemption notice, or a
 //!   new generation on its way); workers then save the step they agree on and exit 0.
 //!   `should_checkpoint_at` asks for a snapshot at that step (or the first step past it).
+//! - `{"type":"generation","generation":G,"rank_offset":O,"env":{...}}`: the generation the
+//!   workers are to run, in place: their ranks start at O (rank = O + local rank), and `env`
+//!   holds the environment variables that change with a generation (`WORLD_SIZE`,
+//!   `MASTER_ADDR`, `MASTER_PORT`, `ELASTIC_GENERATION`, the scaling, ...), as a new worker of
+//!   it would get them.
 //! - `{"type":"error","message":"..."}`: the request was refused (bad JSON, a rank that is not
 //!   this node's, a directory outside staging, a step over [`STEP_MAX`], an oversized line).
 //!   After an oversized line the agent closes the connection, since it cannot find the next
@@ -72,6 +79,10 @@ use serde_json::Value;
 
 /// Longest request or reply line, newline included.
 pub const MESSAGE_BYTES_MAX: usize = 64 * 1024;
+
+/// Longest a `watch` is held before it is answered with an unchanged generation (the worker
+/// then asks again): no request waits unbounded.
+pub const WATCH_HOLD_MS: u64 = 10_000;
 
 /// Largest step in a message (and in the checkpoint format, whose `STEP_MAX` is the same
 /// number): the largest integer a JSON number (an IEEE double) holds exactly.
@@ -131,11 +142,25 @@ pub enum Request {
     /// The workers agreed to stop at `step` because another node's agent asked (a peer's
     /// drain), not this one: their clean exit does not mean the job is done.
     PeerStop { rank: u32, step: u64 },
+    /// Rank `rank` switches generations in place: answered with [`Reply::Generation`] once
+    /// the agent offers a generation other than `generation` (or after [`WATCH_HOLD_MS`]).
+    Watch { rank: u32, generation: u64 },
+    /// Rank `rank` (its rank in `generation`) switched to `generation` in place: its saves
+    /// from now on belong to it.
+    Switched { rank: u32, generation: u64 },
 }
 
 impl Request {
     /// Every request's `type`, in declaration order.
-    pub const KINDS: [&'static str; 5] = ["progress", "saved", "query", "skipped", "peer_stop"];
+    pub const KINDS: [&'static str; 7] = [
+        "progress",
+        "saved",
+        "query",
+        "skipped",
+        "peer_stop",
+        "watch",
+        "switched",
+    ];
 
     /// This request's `type`.
     pub fn kind(&self) -> &'static str {
@@ -145,6 +170,8 @@ impl Request {
             Request::Query {} => "query",
             Request::Skipped { .. } => "skipped",
             Request::PeerStop { .. } => "peer_stop",
+            Request::Watch { .. } => "watch",
+            Request::Switched { .. } => "switched",
         }
     }
 }
@@ -158,6 +185,12 @@ pub enum Reply {
         should_stop: bool,
         should_checkpoint_at: Option<u64>,
         generation: u64,
+    },
+    /// The generation to run in place (see the module docs).
+    Generation {
+        generation: u64,
+        rank_offset: u32,
+        env: std::collections::BTreeMap<String, String>,
     },
     Error {
         message: String,
@@ -216,6 +249,20 @@ mod tests {
                 Request::PeerStop { rank: 3, step: 7 },
                 json!({"type":"peer_stop","rank":3,"step":7}),
             ),
+            (
+                Request::Watch {
+                    rank: 1,
+                    generation: 4,
+                },
+                json!({"type":"watch","rank":1,"generation":4}),
+            ),
+            (
+                Request::Switched {
+                    rank: 0,
+                    generation: 5,
+                },
+                json!({"type":"switched","rank":0,"generation":5}),
+            ),
         ];
         for (req, want) in &cases {
             assert_eq!(&serde_json::to_value(req).unwrap(), want);
@@ -236,6 +283,14 @@ mod tests {
                     generation: 3,
                 },
                 json!({"type":"state","should_stop":true,"should_checkpoint_at":null,"generation":3}),
+            ),
+            (
+                Reply::Generation {
+                    generation: 5,
+                    rank_offset: 2,
+                    env: [("WORLD_SIZE".to_string(), "4".to_string())].into(),
+                },
+                json!({"type":"generation","generation":5,"rank_offset":2,"env":{"WORLD_SIZE":"4"}}),
             ),
             (
                 Reply::Error {

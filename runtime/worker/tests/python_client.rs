@@ -111,6 +111,13 @@ try:
     out["error_9"] = None
 except er.AgentError as e:
     out["error_9"] = str(e)
+# Recovery in place: the watch thread hears the agent offer generation 8, then the switch to it
+# is announced.
+offers = er._inplace._Offers(7, 0)
+offer = offers.take(60)
+offers.stopped = True
+out["offer"] = None if offer is None else [offer[0], offer[1], offer[2]]
+er._connection._agent_conn().request(er.protocol._msg_switched(0, offer[0]))
 out["constants"] = {
     "FORMAT_VERSION": er.protocol.FORMAT_VERSION,
     "MESSAGE_BYTES_MAX": er.protocol.MESSAGE_BYTES_MAX,
@@ -163,6 +170,17 @@ fn reply_to(req: &Request) -> Reply {
         },
         Request::Progress { step, .. } if *step == REFUSED_STEP => Reply::Error {
             message: format!("refused: step {step}"),
+        },
+        Request::Watch { generation, .. } if *generation != 8 => Reply::Generation {
+            generation: 8,
+            rank_offset: 0,
+            env: [("WORLD_SIZE".to_string(), "1".to_string())].into(),
+        },
+        // Nothing newer: the agent would hold it; the client asks again.
+        Request::Watch { generation, .. } => Reply::Generation {
+            generation: *generation,
+            rank_offset: 0,
+            env: Default::default(),
         },
         _ => Reply::Ok,
     }
@@ -289,6 +307,26 @@ fn what_the_python_client_sends_and_stages_parses_as_the_protocol() {
         other => panic!("no skipped request where expected: {other:?} in {seen:?}"),
     };
     assert!(reason.contains("is full"), "{reason}");
+    // The watch thread asks on its own connection, as often as it is answered: once for the
+    // offer, then for as long as it runs.
+    let watches: Vec<&Request> = seen
+        .iter()
+        .filter(|r| matches!(r, Request::Watch { .. }))
+        .collect();
+    assert_eq!(
+        watches.first(),
+        Some(&&Request::Watch {
+            rank: 0,
+            generation: 7
+        }),
+        "{seen:?}"
+    );
+    let kinds_seen: Vec<&str> = seen.iter().map(Request::kind).collect();
+    let seen: Vec<Request> = seen
+        .iter()
+        .filter(|r| !matches!(r, Request::Watch { .. }))
+        .cloned()
+        .collect();
     assert_eq!(
         seen,
         [
@@ -319,9 +357,18 @@ fn what_the_python_client_sends_and_stages_parses_as_the_protocol() {
                 rank: 0,
                 step: REFUSED_STEP,
             },
+            Request::Switched {
+                rank: 0,
+                generation: 8,
+            },
         ]
     );
-    let mut kinds: Vec<&str> = seen.iter().map(Request::kind).collect();
+    assert_eq!(
+        got["offer"],
+        serde_json::json!([8, 0, {"WORLD_SIZE": "1"}]),
+        "{got}"
+    );
+    let mut kinds: Vec<&str> = kinds_seen;
     kinds.sort_unstable();
     kinds.dedup();
     let mut all = Request::KINDS.to_vec();
