@@ -5,7 +5,8 @@ does), and the time until the survivors train again plus the steps they redo.
     python bench/recovery.py --system SYSTEM --signal KILL|TERM [--steps 400] [--kill-at 25] \
         [--step-sleep 0.05] [--keep]
 
-SYSTEM: elastic, torchrun-c10d (the brief's flags, torch defaults), torchrun-c10d-own-store
+SYSTEM: elastic, elastic-in-place (the same, with ddp_train.py --in-place: the survivors'
+workers switch to the new generation without a restart), torchrun-c10d (the brief's flags, torch defaults), torchrun-c10d-own-store
 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), torchrun-c10d-tuned (that, and last_call_timeout=1),
 torchrun-etcd-v2 (torchrun's etcd backend, etcd v2 API, against etcd --enable-v2).
 
@@ -43,7 +44,7 @@ import common  # noqa: E402
 
 STEP_RE = re.compile(r"(?:^|\] )step (\d+) loss")
 NODES = 3
-SYSTEMS = ["elastic", "torchrun-c10d", "torchrun-c10d-own-store", "torchrun-c10d-tuned", "torchrun-etcd-v2"]
+SYSTEMS = ["elastic", "elastic-in-place", "torchrun-c10d", "torchrun-c10d-own-store", "torchrun-c10d-tuned", "torchrun-etcd-v2"]
 NPROC = 2
 # How long one phase (start-up, recovery) may take before the run is declared failed.
 PHASE_TIMEOUT_S = 180.0
@@ -158,8 +159,11 @@ def worker_env(tmp):
 
 
 def train_cmd(a):
-    return [os.path.join(common.VENV, "bin", "python"), "examples/ddp_train.py", "--steps", str(a.steps),
-            "--step-sleep", str(a.step_sleep)]
+    cmd = [os.path.join(common.VENV, "bin", "python"), "examples/ddp_train.py", "--steps", str(a.steps),
+           "--step-sleep", str(a.step_sleep)]
+    if a.system == "elastic-in-place":
+        cmd.append("--in-place")
+    return cmd
 
 
 def run_elastic(a, tmp):
@@ -220,9 +224,10 @@ def run_elastic(a, tmp):
                 g = gens[0]
                 firsts = [e for e in ev[n.name] if e["event"] == "first_step" and e["generation"] == g["generation"]]
                 starts = [e for e in ev[n.name] if e["event"] == "workers_started" and e["generation"] == g["generation"]]
-                if not firsts or not starts:
+                # In place, no worker group starts: the generation's own record stands for it.
+                if not firsts or not (starts or g.get("in_place")):
                     return None
-                out[n.name] = (g, firsts[0], starts[0])
+                out[n.name] = (g, firsts[0], starts[0] if starts else g)
             return out
 
         rec = wait_for(recovered, "the survivors' first step in a smaller generation", nodes=nodes,
@@ -248,6 +253,7 @@ def run_elastic(a, tmp):
             "cold_start_s": cold_start_s(ev, g_full),
             "last_commit_before_kill": max(commits, default=None),
             "drained": bool(drain),
+            "in_place": all(bool(gg.get("in_place")) for gg, _, _ in rec.values()),
         }
     finally:
         for n in nodes:
@@ -374,7 +380,7 @@ def main():
     try:
         t = time.perf_counter()
         try:
-            r = run_elastic(a, tmp) if a.system == "elastic" else run_torchrun(a, tmp)
+            r = run_elastic(a, tmp) if a.system.startswith("elastic") else run_torchrun(a, tmp)
             r.setdefault("recovered", "error" not in r)
         except NotRecovered as e:
             r = {"recovered": False, "error": e.args[0], "log_tail": e.args[1][-3000:]}

@@ -79,6 +79,8 @@ def main():
     p.add_argument("--crash-rank", type=int, default=0)
     p.add_argument("--crash-restarts", type=int, default=1,
                    help="crash only while TORCHELASTIC_RESTART_COUNT is below this")
+    p.add_argument("--digest-every-rank", action="store_true",
+                   help="every rank prints its final weights' digest, not only rank 0 (tests)")
     p.add_argument("--in-place", action="store_true",
                    help="switch to new generations in place instead of being restarted")
     args = p.parse_args()
@@ -121,10 +123,9 @@ def main():
             print(f"resumed from step {step} (samples_seen {sampler.consumed}, saved at world "
                   f"{state['progress']['world_size']})", flush=True)
     if ip is not None:
-        # No collective at construction: a worker that joins a running job gets the weights
-        # from its peers in ip.load(), as survivors of a switch do.
-        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=ip.group, init_sync=False)
-        ip.attach(ddp)
+        # A worker that joins a running job gets the state from its peers in ip.load(), as
+        # survivors of a switch do; gradients are averaged by ip.sync_gradients, not DDP.
+        ddp = model
         step = ip.load()
         if rank == 0 and step:
             print(f"resumed from step {step} (samples_seen {sampler.consumed})", flush=True)
@@ -165,6 +166,8 @@ def main():
                 loss = torch.nn.functional.mse_loss(ddp(x), y) / accum
                 loss.backward()
                 total += loss.item()
+            if ip is not None:
+                ip.sync_gradients(model)
         if ip is not None and not ip.commit():
             # The step failed on some rank (a peer is gone): no rank applies it.
             step -= 1
@@ -208,6 +211,8 @@ def main():
 
     if rank == 0:
         print(f"done step {step} saved {saved_step} weights {weights_digest(model)}", flush=True)
+    if args.digest_every_rank:
+        print(f"rank {rank} done step {step} weights {weights_digest(model)}", flush=True)
     if stop and args.exit_linger:
         time.sleep(args.exit_linger)
     if dist.is_initialized():

@@ -171,6 +171,11 @@ impl AgentState {
         !s.ranks.is_empty() && s.watching.len() == s.ranks.len() && s.offer.is_none()
     }
 
+    /// Whether any worker of the running group watches for generations to switch to.
+    pub fn watching_any(&self) -> bool {
+        !self.lock().watching.is_empty()
+    }
+
     /// Offers `offer` to the running workers: their held `watch` requests are answered with
     /// it. A newer offer replaces an older one that not every rank switched to yet.
     pub fn offer_in_place(&self, offer: InPlaceOffer) {

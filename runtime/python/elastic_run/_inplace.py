@@ -4,15 +4,14 @@ comes); every worker leaves its old process group, forms the new generation's gr
 trains on from the weights in its memory.
 
     ip = er.InPlace(state)                     # forms this generation's process group
-    ddp = DistributedDataParallel(model, process_group=ip.group, init_sync=False)
-    ip.attach(ddp)                             # gradients go through the switchable group
     step = ip.load()                           # er.load(state), then agree with live peers
     while step < steps:
         if ip.switch_pending():                # a new generation (or a failed step)
             step = ip.switch()                 # new group, ranks, scaling; the agreed step
         step += 1
         with ip.step():                        # a collective that fails ends the block
-            loss = ...; loss.backward()
+            loss = model(x).loss(); loss.backward()
+        ip.sync_gradients(model)               # the data-parallel mean of the gradients
         if not ip.commit():                    # the vote: every rank's collectives held
             step -= 1
             continue
@@ -29,10 +28,14 @@ trains on from the weights in its memory.
   rank 0), and agrees on the step: the ranks behind receive the whole state from the first
   rank that is furthest, over the new group. A worker that starts fresh in a generation
   (a joiner, or one restarted) does the same in :meth:`InPlace.load`, so the two meet.
-- **Aborting.** Gradient all-reduces run on a copy of each bucket, so a collective given up
-  (blocked on a peer that vanished without closing its sockets) never writes into memory in
-  use again. A group with such a collective is kept, never destroyed (its threads are
-  blocked), and given up for good at exit.
+- **Gradients** are averaged by :meth:`InPlace.sync_gradients`, in parameter order, in
+  buffers of at most ``GRAD_BUFFER_BYTES``, after the backward (once per step, whatever the
+  gradient accumulation). ``DistributedDataParallel`` is not used: its reducer is bound to
+  one group and re-orders its buckets on its own schedule, which a worker that joins later
+  does not share.
+- **Aborting.** All-reduces run on a copy of the gradients, so a collective given up (blocked
+  on a peer that vanished without closing its sockets) never writes into memory in use again.
+  A group with such a collective is kept, never destroyed (its threads are blocked).
 - **Bounds.** A failed step must be followed by a new generation within ``offer_wait_s``;
   otherwise the collective's error is raised (the worker fails and the agent restarts the
   group). Forming a group and every collective time out after ``timeout_s``.
@@ -42,9 +45,11 @@ The default ``torch.distributed`` group is not created: use :attr:`InPlace.group
 collectives of your own.
 """
 
+import atexit
 import datetime
 import json
 import os
+import socket
 import threading
 import time
 
@@ -57,10 +62,17 @@ from .protocol import FormatError, _get, _get_int, _msg_switched, _msg_watch
 # How long a failed step waits for the agent to offer a new generation (the lost peer's lease
 # must lapse first) before its error is raised.
 OFFER_WAIT_S = 120.0
+# Gradients are all-reduced in buffers of at most this many bytes (one parameter larger than it
+# goes alone).
+GRAD_BUFFER_BYTES = 32 * 1024 * 1024
 # Forming a group, and every collective on it.
 TIMEOUT_S = 300.0
-# How often blocked waits look for an offer.
-_POLL_S = 0.02
+# A collective's completion is polled from this pause, doubling up to _POLL_S, which is also how
+# soon a wait notices an offer.
+_POLL_FIRST_S = 0.0001
+_POLL_S = 0.005
+# How long closing waits for the client's own threads to end.
+_STOP_JOIN_S = 2.0
 # Pause before the watch thread asks again after its connection failed.
 _RECONNECT_PAUSE_S = 0.5
 # Groups given up with a collective blocked in them: past this many the worker fails instead
@@ -68,6 +80,12 @@ _RECONNECT_PAUSE_S = 0.5
 _ABANDONED_GROUPS_MAX = 8
 # Store keys of each generation's group live under this prefix.
 _STORE_PREFIX = "elastic_run/inplace"
+
+
+# The TCPStores this process serves, by port: a generation whose master port is one of them
+# uses it again. At most a node's two master ports, plus one per switch of rank 0 to another
+# port.
+_served = {}
 
 
 class SwitchError(RuntimeError):
@@ -103,6 +121,7 @@ class _Offers:
         self.offset = rank_offset
         self.offer = None  # (generation, rank_offset, env)
         self.stopped = False
+        self.conn = None
         path = os.environ.get("ELASTIC_AGENT_SOCKET")
         self.thread = None
         if path:
@@ -111,7 +130,7 @@ class _Offers:
             self.thread.start()
 
     def _run(self, path):
-        conn = _Agent(path)
+        conn = self.conn = _Agent(path)
         while not self.stopped:
             with self.lock:
                 gen = self.offer[0] if self.offer else self.current
@@ -128,12 +147,27 @@ class _Offers:
                     raise FormatError(f"{where}: env holds a value that is not a string")
             except (OSError, FormatError, RuntimeError):
                 conn.close()
-                time.sleep(_RECONNECT_PAUSE_S)
+                if not self.stopped:
+                    time.sleep(_RECONNECT_PAUSE_S)
                 continue
             if g != gen and env:
                 with self.lock:
                     self.offer = (g, o, env)
                 self.changed.set()
+
+    def stop(self):
+        """Ends the watch thread: its held request is cut off (a thread still blocked in it
+        when the interpreter exits would wake up in a half torn-down interpreter)."""
+        self.stopped = True
+        self.changed.set()
+        conn = self.conn
+        if conn is not None and conn.sock is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(_STOP_JOIN_S)
 
     def pending(self):
         with self.lock:
@@ -174,7 +208,16 @@ def _form_group(timeout_s):
     timeout = datetime.timedelta(seconds=timeout_s)
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", "0"))
-    store = TCPStore(addr, port, w, is_master=(r == 0), timeout=timeout, wait_for_workers=False)
+    if r == 0 and port in _served:
+        # This process served the store of an earlier generation on this port (the leader
+        # alternates a node's two master ports), and that store may still be alive (held by
+        # a group given up, or by references not yet collected): keys are per generation,
+        # so it serves this one too.
+        store = _served[port]
+    else:
+        store = TCPStore(addr, port, w, is_master=(r == 0), timeout=timeout, wait_for_workers=False)
+        if r == 0:
+            _served[port] = store
     prefixed = PrefixStore(f"{_STORE_PREFIX}/{g}/", store)
     pg = ProcessGroup(prefixed, r, w)
     if torch.cuda.is_available():
@@ -192,33 +235,6 @@ def _form_group(timeout_s):
     return store, pg
 
 
-class _Pending:
-    """Collectives in flight that an offer gives up: each has a callback that completes its
-    future as failed. Completing twice is harmless."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.items = {}
-        self.next_id = 0
-
-    def add(self, fail):
-        with self.lock:
-            self.next_id += 1
-            self.items[self.next_id] = fail
-            return self.next_id
-
-    def done(self, key):
-        with self.lock:
-            self.items.pop(key, None)
-
-    def fail_all(self):
-        with self.lock:
-            items, self.items = list(self.items.values()), {}
-        for fail in items:
-            fail()
-        return len(items)
-
-
 class InPlace:
     """Recovery in place for one training loop (see the module docs). ``state`` is the mapping
     given to :func:`elastic_run.save` and :func:`elastic_run.load`: it is what a rank that is
@@ -230,30 +246,22 @@ class InPlace:
         self.state = state
         self.timeout_s = float(timeout_s)
         self.offer_wait_s = float(offer_wait_s)
-        self.ddp = None
         self.step_count = None
         self.failed = None  # the exception (or reason) that failed the current step
         self.abandoned = []
-        self.pending = _Pending()
         # Futures of the collectives issued on the current group, until done: one left
         # undone at a switch means the old group has a blocked thread.
         self.works = []
         self.switches = 0
         self.store, self.group = _form_group(self.timeout_s)
         self.offers = _Offers(generation(), rank() - local_rank())
-        self._watch_offers = threading.Thread(target=self._abort_on_offer, name="elastic_run-abort",
-                                              daemon=True)
-        self._watch_offers.start()
         self.world = world_size()
+        self.closed = False
         _state.in_place = self
+        # Threads of its own end before the interpreter does, should the loop not close it.
+        atexit.register(self.close)
 
     # --- what the loop calls -----------------------------------------------------------------
-
-    def attach(self, ddp):
-        """Routes ``ddp``'s gradient all-reduce through the switchable group (a comm hook) and
-        moves it to each new group."""
-        self.ddp = ddp
-        ddp.register_comm_hook(None, self._hook)
 
     def load(self):
         """:func:`elastic_run.load` of the state (what the agent restored, if anything), then
@@ -276,6 +284,44 @@ class InPlace:
         self.failed = None
         self.works = [f for f in self.works if not f.done()]
         return _StepBlock(self)
+
+    def sync_gradients(self, params):
+        """Replaces every gradient of ``params`` (a module or an iterable of parameters) with its
+        mean over the group's ranks. A parameter without a gradient counts as zeros. Returns
+        False when a collective failed or a new generation came (the step then fails)."""
+        import torch
+
+        if hasattr(params, "parameters"):
+            params = params.parameters()
+        params = [p for p in params if p.requires_grad]
+        if self.world == 1 or self.failed is not None:
+            return self.failed is None
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_dtype = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for ps in by_dtype.values():
+            chunk, size = [], 0
+            for p in ps + [None]:
+                if p is not None and (not chunk or size + p.grad.numel() * p.grad.element_size() <= GRAD_BUFFER_BYTES):
+                    chunk.append(p)
+                    size += p.grad.numel() * p.grad.element_size()
+                    continue
+                flat = torch.cat([q.grad.reshape(-1) for q in chunk])
+                if self._wait(lambda flat=flat: self.group.allreduce([flat]), flat) is None:
+                    self.failed = self.failed or "a gradient all-reduce did not complete"
+                    return False
+                flat.div_(self.world)
+                offset = 0
+                for q in chunk:
+                    n = q.grad.numel()
+                    q.grad.copy_(flat[offset:offset + n].view_as(q.grad))
+                    offset += n
+                if p is not None:
+                    chunk, size = [p], p.grad.numel() * p.grad.element_size()
+        return True
 
     def commit(self):
         """The vote, after the backward and before ``optimizer.step()``: True when every rank's
@@ -331,13 +377,13 @@ class InPlace:
         if conn is not None:
             conn.request(_msg_switched(new_rank, generation))
         self.offers.switched(generation, offset)
-        self._retire(self.group, self.store)
+        old, self.group, self.store = (self.group, self.store), None, None
+        self._retire(*old)
+        del old
         self.store, self.group = _form_group(self.timeout_s)
         from ._env import world_size
 
         self.world = world_size()
-        if self.ddp is not None:
-            self.ddp._update_process_group(self.group)
         self.failed = None
         self.step_count = self._agree(self.step_count or 0)
         os.environ["ELASTIC_RESUME_STEP"] = str(self.step_count)
@@ -353,8 +399,10 @@ class InPlace:
     def close(self):
         """Stops watching for generations and shuts the group down, at the end of training (as
         ``destroy_process_group`` at the end of a script)."""
-        self.offers.stopped = True
-        self.pending.fail_all()
+        if self.closed:
+            return
+        self.closed = True
+        self.offers.stop()
         _state.in_place = None
         # As destroy_process_group does at the end of a script: a group left to the
         # interpreter's exit may still hear its peers leave and fail then.
@@ -382,97 +430,42 @@ class InPlace:
 
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
 
-    def _abort_on_offer(self):
-        while True:
-            self.offers.changed.wait()
-            if self.offers.pending():
-                self.pending.fail_all()
-            time.sleep(_POLL_S)
-
-    def _hook(self, _state_unused, bucket):
-        """DDP comm hook: the bucket's all-reduce, on a copy, on the current group; a failure
-        or an offer completes the future with the bucket unchanged and fails the step."""
-        import torch
-
-        buf = bucket.buffer()
-        out = torch.futures.Future()
-        lock = threading.Lock()
-        finished = [False]
-        copy = buf.clone()
-        world = self.world
-
-        def finish(ok, why=None):
-            with lock:
-                if finished[0]:
-                    return
-                finished[0] = True
-            self.pending.done(key)
-            if ok:
-                buf.copy_(copy).div_(world)
-            elif self.failed is None:
-                self.failed = why or "a gradient all-reduce was given up"
-            out.set_result(buf)
-
-        key = self.pending.add(lambda: finish(False, "a new generation was offered during the all-reduce"))
-        if self.offers.pending():
-            finish(False, "a new generation was offered")
-            return out
-        try:
-            work = self.group.allreduce([copy])
-        except Exception as e:  # noqa: BLE001 (any failure to issue fails the step)
-            finish(False, e)
-            return out
-
-        def done(f):
-            try:
-                f.value()
-            except Exception as e:  # noqa: BLE001
-                finish(False, e)
-                return
-            finish(True)
-
-        fut = work.get_future()
-        self.works.append(fut)
-        fut.add_done_callback(done)
-        return out
-
     def _wait(self, issue, t):
-        """Runs one small collective, waiting in slices: None when it failed, timed out, or an
-        offer came meanwhile (the collective is then given up)."""
+        """Runs one collective, waiting in slices: None when it failed, timed out, or an offer
+        came meanwhile (the collective is then given up). The future is polled, never given a
+        Python callback: a collective given up may complete on a backend thread at any time,
+        even while the interpreter exits."""
         try:
             work = issue()
         except Exception as e:  # noqa: BLE001
             self.failed = self.failed or e
             return None
-        ev = threading.Event()
-        err = []
-
-        def done(f):
-            try:
-                f.value()
-            except Exception as e:  # noqa: BLE001
-                err.append(e)
-            ev.set()
-
         fut = work.get_future()
         self.works.append(fut)
-        fut.add_done_callback(done)
         deadline = time.monotonic() + self.timeout_s
-        while not ev.wait(_POLL_S):
+        pause = _POLL_FIRST_S
+        while not fut.done():
             if self.offers.pending() or time.monotonic() > deadline:
                 return None
-        if err:
-            self.failed = self.failed or err[0]
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S)
+        try:
+            fut.value()
+        except Exception as e:  # noqa: BLE001
+            self.failed = self.failed or e
             return None
         return t
 
     def _retire(self, group, store):
         """Lets go of the old group: destroyed when nothing is blocked in it, else kept (its
         threads are blocked) and given up at exit."""
-        self.pending.fail_all()
         blocked = any(not f.done() for f in self.works)
         self.works = []
         if blocked:
+            from ._env import rank
+
+            print(f"elastic_run: rank {rank()} gives up its old process group with a collective blocked in it",
+                  flush=True)
             # Never destroyed, not even at exit: its destructor would join threads that are
             # blocked on a peer that is gone. One reference more than anyone holds keeps it.
             import ctypes
@@ -508,6 +501,9 @@ class InPlace:
         self._sync(lambda: self.group.allreduce([src], _reduce_op("MAX")))
         source = -int(src[0])
         self._broadcast_state(source, me)
+        if step != hi:
+            print(f"elastic_run: rank {me} took the state of step {hi} from rank {source} (it held step {step})",
+                  flush=True)
         return hi
 
     def _sync(self, issue):

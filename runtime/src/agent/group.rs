@@ -339,12 +339,18 @@ impl Agent {
 fn offer_in_place(node: &super::Node, newest: &Generation, reoffer: bool) -> Option<Switch> {
     let state = &node.state;
     if !reoffer && !state.workers_switch_in_place() {
+        if state.watching_any() {
+            tracing::info!(
+                generation = newest.number,
+                "not every local worker watches for generations; restarting them instead"
+            );
+        }
         return None;
     }
     let view = match super::membership::generation_view(node, newest) {
         Ok(v) => v,
         Err(e) => {
-            tracing::debug!(error = %e, "not switching in place");
+            tracing::info!(error = %e, "not switching in place");
             return None;
         }
     };

@@ -16,6 +16,15 @@
 //!   `min`, or when its own lease is about to lapse (fenced) — it does not wait for a blocked
 //!   collective to time out. After a fence it joins again.
 //!
+//! # Recovery in place
+//!
+//! When every local worker watches for generations (the client's `InPlace` holds a `watch`
+//! request on the socket), a new generation that includes this node is offered to the running
+//! workers instead of stopping them (`group.rs`): they leave their process group for the new
+//! one, say `switched`, and train on from memory; no restore, no new process. Once all have
+//! switched, the node runs the new generation (events: `generation` with `in_place`). Workers
+//! that do not switch within `IN_PLACE_SWITCH_MS` are stopped and started into it as before.
+//!
 //! # Checkpoints
 //!
 //! Workers stage snapshots (`saved`); once every local rank staged a step, the committer

@@ -321,9 +321,16 @@ fn sigkill_of_one_agent_leaves_survivors_training_at_world_4_with_rescaled_lr() 
 }
 
 #[test]
-fn sigkill_of_one_node_leaves_the_survivors_switching_in_place_without_a_restart() {
+fn sigkill_of_one_node_leaves_the_survivors_switching_in_place_and_a_joiner_takes_their_state() {
     let job = Job::new("file");
-    let train = ["--steps", "60", "--step-sleep", "0.1", "--in-place"];
+    let train = [
+        "--steps",
+        "90",
+        "--step-sleep",
+        "0.1",
+        "--in-place",
+        "--digest-every-rank",
+    ];
     let a = job.start("a", "2:3", &train);
     let b = job.start("b", "2:3", &train);
     let c = job.start("c", "2:3", &train);
@@ -360,24 +367,78 @@ fn sigkill_of_one_node_leaves_the_survivors_switching_in_place_without_a_restart
     // The same processes train on: nothing was restarted or restored.
     assert_eq!(children(a.pid()), workers_a);
     assert_eq!(children(b.pid()), workers_b);
+    // A new node joins: a and b switch in place again; d's fresh workers start from the
+    // newest commit and take the survivors' newer state from them over the new group.
+    let d = job.start("d", "2:3", &train);
+    let g3 = job.wait_event("the generation with the joiner", LONG, |e| {
+        is(e, "generation") && e["world_size"] == 6 && node_of(e) == "d"
+    });
+    let on_a = job.wait_event("a's switch to it", LONG, |e| {
+        is(e, "generation") && node_of(e) == "a" && e["generation"] == g3["generation"]
+    });
+    assert_eq!(
+        on_a["in_place"],
+        true,
+        "{on_a}\n{}\n{}",
+        drain(&a.out),
+        drain(&a.err)
+    );
+    assert_eq!(children(a.pid()), workers_a);
     let (code_a, out_a, err_a) = a.finish(LONG);
-    let (code_b, _, err_b) = b.finish(LONG);
+    let (code_b, out_b, err_b) = b.finish(LONG);
+    let (code_d, out_d, err_d) = d.finish(LONG);
     assert_eq!(code_a, 0, "{out_a}\n{err_a}");
     assert_eq!(code_b, 0, "{err_b}");
+    assert_eq!(code_d, 0, "{out_d}\n{err_d}");
     assert!(
         out_a.contains(&format!("switched to generation {}", g2["generation"])),
         "{out_a}"
     );
     assert!(out_a.contains("world 4 accum 1"), "{out_a}");
-    assert!(out_a.contains("done step 60 "), "{out_a}");
+    assert!(out_a.contains("done step 90 "), "{out_a}");
+    let resumed = g3["resume_step"]
+        .as_u64()
+        .expect("the joiner restored a commit");
+    let healed: Vec<&str> = out_d
+        .lines()
+        .filter(|l| l.contains("took the state of step"))
+        .collect();
+    assert_eq!(
+        healed.len(),
+        2,
+        "both of d's ranks took the state from a peer:\n{out_d}"
+    );
+    for l in &healed {
+        assert!(l.contains(&format!("(it held step {resumed})")), "{l}");
+    }
+    // Every rank ends with the same weights: the joiner's are the survivors'.
+    let digests: std::collections::BTreeSet<&str> = [&out_a, &out_b, &out_d]
+        .iter()
+        .flat_map(|o| o.lines())
+        .filter(|l| l.contains("] rank ") && l.contains(" done step 90 weights "))
+        .filter_map(|l| l.rsplit(' ').next())
+        .collect();
+    let ranks = [&out_a, &out_b, &out_d]
+        .iter()
+        .flat_map(|o| o.lines())
+        .filter(|l| l.contains(" done step 90 weights "))
+        .filter(|l| l.contains("] rank "))
+        .count();
+    assert_eq!(
+        ranks, 6,
+        "every rank printed its digest:\n{out_a}\n{out_b}\n{out_d}"
+    );
+    assert_eq!(digests.len(), 1, "{digests:?}");
     for e in job.events() {
         assert!(
-            !(is(&e, "workers_started") && e["generation"] == g2["generation"]),
-            "no worker group was started for the new generation: {e}"
+            !(is(&e, "workers_started")
+                && node_of(&e) != "d"
+                && e["generation"].as_u64() > Some(gen1)),
+            "no worker group of a or b was started after the first: {e}"
         );
         assert!(!is(&e, "restore_fell_back"), "{e}");
     }
-    assert!(job.committed_steps().contains(&60));
+    assert!(job.committed_steps().contains(&90));
 }
 
 fn events_now() -> u64 {
