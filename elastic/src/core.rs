@@ -7,8 +7,8 @@
 //!
 //! # Rules
 //!
-//! - *Eligible* members are present and not draining. A member is *waiting* when it is eligible
-//!   and not in the current generation.
+//! - *Eligible* members are present, not draining, and not `excluded` (left out of a regroup
+//!   lately). A member is *waiting* when it is eligible and not in the current generation.
 //! - **Initial formation** (no generation yet): freeze at once when `max` eligible members are
 //!   present; freeze when at least `min` are present and the settle window since the last
 //!   membership change has passed; otherwise wait.
@@ -29,6 +29,16 @@
 //!   - `Waiting(k)`: once `k` members are waiting (or the waiters would fill the job to `max`).
 //! - **Below `min`**: wait for replacements until `below_min_timeout_ms` after the eligible
 //!   count first dropped below `min`, then fail the job.
+//! - **Collective failure** (a member's workers saw a collective fail, and it asked to regroup
+//!   the current generation: `regroup.generation` equals `current_number`): every live member
+//!   confirms by asking too. Once every present member of the generation confirmed, or
+//!   `confirm_window_ms` after the first request, freeze a new generation at once with the
+//!   members that confirmed, in their order, plus waiters up to `max` (as after a loss). A
+//!   member that did not confirm is left out: a node that died, or cannot reach etcd, is not
+//!   waited for until its lease lapses. Nodes left out are `excluded` from the waiters (the
+//!   adapter excludes them for a lease TTL, unless they registered again), so a dead node whose
+//!   lease still runs is not admitted back. Fewer than `min` confirmed: the other rules apply
+//!   (the lease decides). Checked after a loss, before a restart request.
 //! - **Restart** (a member asked to restart the current generation after its workers failed:
 //!   `restart_requested_for` equals `current_number`): when nothing was lost, freeze a new
 //!   generation at once, without the settle window, with the same members in the same order
@@ -72,6 +82,27 @@ pub struct CoreConfig {
     pub join_policy: JoinPolicy,
     /// How long the job may stay below `min` before it fails.
     pub below_min_timeout_ms: u64,
+    /// How long after a regroup request the members that did not confirm it are waited for.
+    #[serde(default = "default_confirm_window_ms")]
+    pub confirm_window_ms: u64,
+}
+
+/// [`CoreConfig::confirm_window_ms`] unless configured (`--rdzv-conf confirm_window_ms=`).
+pub const CONFIRM_WINDOW_MS_DEFAULT: u64 = 500;
+
+fn default_confirm_window_ms() -> u64 {
+    CONFIRM_WINDOW_MS_DEFAULT
+}
+
+/// A regroup of the current generation asked for (a member's collective failed).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Regroup {
+    /// The generation it names.
+    pub generation: u64,
+    /// When the leader first saw a request for it, on `now_ms`'s clock.
+    pub since_ms: u64,
+    /// The members that asked or confirmed.
+    pub confirmed: Vec<String>,
 }
 
 impl CoreConfig {
@@ -160,6 +191,13 @@ pub struct Input {
     /// The step the current generation resumes from; `None` when it started from scratch.
     #[serde(default)]
     pub current_resume_step: Option<u64>,
+    /// A regroup asked for, if any (only one naming `current_number` counts).
+    #[serde(default)]
+    pub regroup: Option<Regroup>,
+    /// Present members not admitted as waiters: left out of a regroup lately, with the same
+    /// registration (they may be dead with a lease still running).
+    #[serde(default)]
+    pub excluded: Vec<String>,
 }
 
 /// Why the core decided what it decided.
@@ -192,6 +230,16 @@ pub enum Reason {
     BelowMin { present: u32, min: u32 },
     /// A member asked for a restart of the current generation (its workers failed).
     RestartRequested { generation: u64 },
+    /// A member's collective failed: the members that confirmed in time re-form the job.
+    CollectiveFailed {
+        generation: u64,
+        left_out: Vec<String>,
+    },
+    /// A regroup was asked for; waiting for these members to confirm.
+    Confirming {
+        generation: u64,
+        waiting_for: Vec<String>,
+    },
     /// The previous generation committed a newer step after the current one was frozen:
     /// its members would redo committed steps on another branch of the run.
     StaleResume {
@@ -228,6 +276,33 @@ impl std::fmt::Display for Reason {
             Reason::BelowMin { present, min } => write!(f, "{present} present, below min {min}"),
             Reason::RestartRequested { generation } => {
                 write!(f, "restart of generation {generation} requested")
+            }
+            Reason::CollectiveFailed {
+                generation,
+                left_out,
+            } => {
+                if left_out.is_empty() {
+                    write!(
+                        f,
+                        "a collective of generation {generation} failed; every member confirmed"
+                    )
+                } else {
+                    write!(
+                        f,
+                        "a collective of generation {generation} failed; left out (did not confirm): {}",
+                        left_out.join(",")
+                    )
+                }
+            }
+            Reason::Confirming {
+                generation,
+                waiting_for,
+            } => {
+                write!(
+                    f,
+                    "regroup of generation {generation}: waiting for {} to confirm",
+                    waiting_for.join(",")
+                )
             }
             Reason::StaleResume {
                 resume,
@@ -291,10 +366,11 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
         .iter()
         .map(|m| (m.node_id.as_str(), m))
         .collect();
+    let excluded: BTreeSet<&str> = input.excluded.iter().map(String::as_str).collect();
     let eligible_count = input
         .members
         .iter()
-        .filter(|m| m.state == MemberState::Alive)
+        .filter(|m| m.state == MemberState::Alive && !excluded.contains(m.node_id.as_str()))
         .count() as u32;
     let settle_until = input.timing.changed_at_ms.saturating_add(cfg.settle_ms);
     let max = cfg.max_nodes as usize;
@@ -305,6 +381,7 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
         .members
         .iter()
         .filter(|m| m.state == MemberState::Alive && !in_current.contains(m.node_id.as_str()))
+        .filter(|m| !excluded.contains(m.node_id.as_str()))
         .collect();
     waiting
         .sort_by(|a, b| (a.joined_at, a.node_id.as_str()).cmp(&(b.joined_at, b.node_id.as_str())));
@@ -391,6 +468,48 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
             Reason::MembersLost { lost }
         };
         return freeze_settled(members, reason);
+    }
+
+    if let Some(r) = &input.regroup
+        && input.current.is_some()
+        && r.generation == input.current_number
+    {
+        let confirmed: BTreeSet<&str> = r.confirmed.iter().map(String::as_str).collect();
+        let alive: Vec<&String> = current
+            .iter()
+            .filter(|id| matches!(by_id.get(id.as_str()), Some(m) if m.state == MemberState::Alive))
+            .collect();
+        let unconfirmed: Vec<String> = alive
+            .iter()
+            .filter(|id| !confirmed.contains(id.as_str()))
+            .map(|id| id.to_string())
+            .collect();
+        let window_end = r.since_ms.saturating_add(cfg.confirm_window_ms);
+        if !unconfirmed.is_empty() && now < window_end {
+            return Decision::Wait {
+                until_ms: window_end,
+                reason: Reason::Confirming {
+                    generation: r.generation,
+                    waiting_for: unconfirmed,
+                },
+            };
+        }
+        let mut members: Vec<String> = alive
+            .iter()
+            .filter(|id| confirmed.contains(id.as_str()))
+            .map(|id| id.to_string())
+            .collect();
+        members.extend(waiting.iter().map(|m| m.node_id.clone()));
+        members.truncate(max);
+        if members.len() as u32 >= cfg.min_nodes {
+            return Decision::Freeze {
+                members,
+                reason: Reason::CollectiveFailed {
+                    generation: r.generation,
+                    left_out: unconfirmed,
+                },
+            };
+        }
     }
 
     if input.current.is_some() && input.restart_requested_for == Some(input.current_number) {

@@ -10,6 +10,7 @@
 //! | `ctl/waiting`        | [`WaitingRecord`] | the leader's lease     | the leader, below min            |
 //! | `ctl/state`          | [`JobState`]      | a retention lease      | `finish` / the leader            |
 //! | `ctl/restart/<node>` | [`RestartRecord`] | the member's own lease | `request_restart`                |
+//! | `ctl/regroup/<node>` | [`RestartRecord`] | the member's own lease | `request_regroup`, and each live member's rendezvous task confirming it |
 //! | `ctl/epoch`          | [`EpochRecord`]   | a retention lease      | the leader, with each generation |
 //!
 //! Why this shape:
@@ -28,7 +29,8 @@
 //! - Restart requests are one key per requester, not one shared key: a request for an older
 //!   generation written late must not overwrite a current one. The leader acts on a request
 //!   while its generation is current, so any number of requests for one generation give one
-//!   new generation; the keys go with the requesters' leases.
+//!   new generation; the keys go with the requesters' leases. Regroup requests (a collective
+//!   failed) are the same, and a member confirms one by writing its own.
 //!
 //! [`MemberRecord`]: crate::record::MemberRecord
 //! [`LeaderRecord`]: crate::record::LeaderRecord
@@ -99,6 +101,9 @@ impl Keys {
     }
     pub fn restart(&self, node_id: &str) -> String {
         format!("{}ctl/restart/{node_id}", self.prefix)
+    }
+    pub fn regroup(&self, node_id: &str) -> String {
+        format!("{}ctl/regroup/{node_id}", self.prefix)
     }
     pub fn epoch(&self) -> String {
         format!("{}ctl/epoch", self.prefix)

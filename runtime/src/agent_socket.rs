@@ -96,22 +96,8 @@ async fn serve_connection(
         // Before the request is handled, so that no change between the two is missed.
         let changes = state.in_place_changes();
         let reply = match state.handle_line(&line) {
-            (
-                Reply::Generation {
-                    generation,
-                    env,
-                    rank_offset,
-                },
-                None,
-            ) if env.is_empty() => {
-                hold_watch(
-                    state,
-                    &line,
-                    (generation, rank_offset),
-                    changes,
-                    &mut shutdown,
-                )
-                .await
+            (same @ Reply::Generation { .. }, None) if matches!(&same, Reply::Generation { env, .. } if env.is_empty()) => {
+                hold_watch(state, &line, same, changes, &mut shutdown).await
             }
             (reply, None) => reply,
             (reply, Some(part)) => match hand_over_part(state, parts, part).await {
@@ -177,22 +163,24 @@ async fn hand_over_part(
 async fn hold_watch(
     state: &AgentState,
     line: &[u8],
-    (generation, rank_offset): (u64, u32),
+    same: Reply,
     mut changes: watch::Receiver<u64>,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Reply {
+    let epoch = state.epoch();
     tokio::select! {
         () = stopped(shutdown) => {}
         _ = tokio::time::timeout(Duration::from_millis(WATCH_HOLD_MS), changes.changed()) => {}
     }
+    // A new worker group started meanwhile: this watch is a stopped worker's, and must not
+    // count for the new group's workers.
+    if state.epoch() != epoch {
+        return same;
+    }
     match state.handle_line(line) {
         (reply, None) => reply,
         // A watch hands over no part; answer as before should that ever change.
-        (_, Some(_)) => Reply::Generation {
-            generation,
-            rank_offset,
-            env: Default::default(),
-        },
+        (_, Some(_)) => same,
     }
 }
 

@@ -44,6 +44,9 @@ pub struct Received {
     pub world_size: u32,
 }
 
+/// The most of a worker's reason for a failed collective that the agent keeps.
+const COLLECTIVE_FAILURE_REASON_BYTES_MAX: usize = 512;
+
 /// A generation offered to the running workers, to switch to in place (recovery in place).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InPlaceOffer {
@@ -102,6 +105,8 @@ struct Inner {
     switched: std::collections::BTreeSet<u32>,
     /// The highest step reported before the last switch in place completed.
     step_before_switch: Option<u64>,
+    /// A collective failure a worker reported for the running generation, not yet acted on.
+    collective_failed: Option<(u64, String)>,
     /// Why the store refused a step this node staged (a manifest over the read limit...):
     /// the next `saved` is answered with it, so the worker's save fails with the reason
     /// instead of the refusal staying in the agent's log.
@@ -130,6 +135,7 @@ impl AgentState {
                 offer: None,
                 switched: Default::default(),
                 step_before_switch: None,
+                collective_failed: None,
                 refused: None,
             }),
             in_place_changes: tokio::sync::watch::Sender::new(0),
@@ -160,6 +166,7 @@ impl AgentState {
         s.watching.clear();
         s.offer = None;
         s.switched.clear();
+        s.collective_failed = None;
         drop(s);
         self.in_place_changes.send_modify(|v| *v += 1);
     }
@@ -200,6 +207,11 @@ impl AgentState {
         drop(s);
         self.in_place_changes.send_modify(|v| *v += 1);
         had
+    }
+
+    /// A collective failure a worker reported (the generation, and why), once.
+    pub fn take_collective_failure(&self) -> Option<(u64, String)> {
+        self.lock().collective_failed.take()
     }
 
     /// The highest step the workers reported before their last switch in place.
@@ -395,15 +407,16 @@ impl AgentState {
                 Ok((Reply::Ok, None))
             }
             Request::Watch { rank, generation } => {
-                let local = match &s.offer {
-                    Some(o) if o.ranks.contains(&rank) => rank - o.ranks.start,
-                    _ => {
-                        check_rank(&s.ranks, rank)?;
-                        rank - s.ranks.start
-                    }
+                // The rank is the worker's rank in the generation it says it runs: the offered
+                // one once it switched, else the node's current one.
+                let range = match &s.offer {
+                    Some(o) if o.generation == generation => o.ranks.clone(),
+                    _ => s.ranks.clone(),
                 };
+                check_rank(&range, rank)?;
+                let local = rank - range.start;
                 s.watching.insert(local);
-                Ok((watch_reply(&s, generation), None))
+                Ok((watch_reply(&s, generation, local), None))
             }
             Request::Switched { rank, generation } => {
                 if s.generation == generation && s.offer.is_none() {
@@ -439,7 +452,26 @@ impl AgentState {
                     s.peer_stop = None;
                     // The new generation's steps are reported afresh (its first step).
                     s.step_before_switch = s.last_step.take();
+                    s.collective_failed = None;
                     s.last_progress = Some(Instant::now());
+                    drop(s);
+                    self.in_place_changes.send_modify(|v| *v += 1);
+                }
+                Ok((Reply::Ok, None))
+            }
+            Request::CollectiveFailed {
+                rank,
+                generation,
+                reason,
+            } => {
+                check_rank(&s.ranks, rank)?;
+                if generation == s.generation && s.collective_failed.is_none() {
+                    let mut end = reason.len().min(COLLECTIVE_FAILURE_REASON_BYTES_MAX);
+                    while !reason.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                    s.collective_failed =
+                        Some((generation, format!("rank {rank}: {}", &reason[..end])));
                     drop(s);
                     self.in_place_changes.send_modify(|v| *v += 1);
                 }
@@ -457,21 +489,30 @@ impl AgentState {
     }
 }
 
-/// The answer to a `watch` from a rank running `generation`: the offer when there is one for
-/// another generation, else `generation` itself with no env (nothing new; the socket holds
-/// such an answer until something changes or the hold ends).
-fn watch_reply(s: &Inner, generation: u64) -> Reply {
+/// The answer to a `watch` from local worker `local` running `generation`: the offer when there
+/// is one for another generation (with the worker's rank in it), else `generation` itself with
+/// no env (nothing new; the socket holds such an answer until something changes or the hold
+/// ends).
+fn watch_reply(s: &Inner, generation: u64, local: u32) -> Reply {
     match &s.offer {
         Some(o) if o.generation != generation => Reply::Generation {
             generation: o.generation,
             rank_offset: o.ranks.start,
+            rank: o.ranks.start + local,
             env: o.env.clone(),
         },
-        _ => Reply::Generation {
-            generation,
-            rank_offset: s.offer.as_ref().map_or(s.ranks.start, |o| o.ranks.start),
-            env: Default::default(),
-        },
+        _ => {
+            let start = match &s.offer {
+                Some(o) => o.ranks.start,
+                None => s.ranks.start,
+            };
+            Reply::Generation {
+                generation,
+                rank_offset: start,
+                rank: start + local,
+                env: Default::default(),
+            }
+        }
     }
 }
 
@@ -527,9 +568,10 @@ mod tests {
         state.begin_group(2, 4, 2..4);
         let reply = |r: Request| state.handle(r).map(|(reply, _)| reply);
         let progress = |rank, step| Request::Progress { rank, step };
-        let nothing_new = |generation, rank_offset| Reply::Generation {
+        let nothing_new = |generation, rank_offset, rank| Reply::Generation {
             generation,
             rank_offset,
+            rank,
             env: Default::default(),
         };
         // Nothing offered: a watch hears its own generation back.
@@ -538,7 +580,7 @@ mod tests {
                 rank: 2,
                 generation: 2
             }),
-            Ok(nothing_new(2, 2))
+            Ok(nothing_new(2, 2, 2))
         );
         assert!(!state.workers_switch_in_place(), "rank 3 does not watch");
         assert!(
@@ -571,6 +613,7 @@ mod tests {
         let offer = Reply::Generation {
             generation: 3,
             rank_offset: 0,
+            rank: 1,
             env,
         };
         assert_eq!(
@@ -586,7 +629,15 @@ mod tests {
                 rank: 1,
                 generation: 3
             }),
-            Ok(nothing_new(3, 0))
+            Ok(nothing_new(3, 0, 1))
+        );
+        assert!(
+            reply(Request::Watch {
+                rank: 3,
+                generation: 3
+            })
+            .is_err(),
+            "rank 3 is not in generation 3"
         );
         assert!(
             reply(Request::Switched {
@@ -647,7 +698,7 @@ mod tests {
                 rank: 0,
                 generation: 3
             }),
-            Ok(nothing_new(3, 0))
+            Ok(nothing_new(3, 0, 0))
         );
         assert!(
             reply(Request::Switched {

@@ -24,6 +24,9 @@ pub struct RendezvousConfig {
     pub settle_ms: u64,
     pub join_policy: JoinPolicy,
     pub below_min_timeout_ms: u64,
+    /// How long a regroup request waits for members to confirm before those that did not are
+    /// left out ([`crate::core::CoreConfig::confirm_window_ms`]).
+    pub confirm_window_ms: u64,
     /// Lease TTL; etcd counts whole seconds, so it is rounded up to one.
     pub lease_ttl_ms: u64,
     /// How long before the TTL ends an unrenewed lease fences this node; `None`: TTL/4.
@@ -57,6 +60,7 @@ impl RendezvousConfig {
             settle_ms: SETTLE_MS_DEFAULT,
             join_policy: JoinPolicy::Immediate,
             below_min_timeout_ms: BELOW_MIN_TIMEOUT_MS_DEFAULT,
+            confirm_window_ms: crate::core::CONFIRM_WINDOW_MS_DEFAULT,
             lease_ttl_ms: LEASE_TTL_MS_DEFAULT,
             fence_margin_ms: None,
             scaling,
@@ -71,6 +75,7 @@ impl RendezvousConfig {
             settle_ms: self.settle_ms,
             join_policy: self.join_policy,
             below_min_timeout_ms: self.below_min_timeout_ms,
+            confirm_window_ms: self.confirm_window_ms,
         }
     }
 

@@ -41,6 +41,13 @@ pub(crate) struct Driver {
     /// The newest step this node's agent saw committed in the store, plus one (0: none);
     /// see [`super::Handle::note_commit`].
     pub known_commit: Arc<AtomicU64>,
+    /// The generation whose regroup this node confirmed last.
+    pub confirmed_regroup: Option<u64>,
+    /// Leading: the generation a regroup was first seen for, and when (`now_unix_ms`).
+    pub regroup_since: Option<(u64, u64)>,
+    /// Leading: members left out of a regroup, with the registration revision they had and
+    /// until when (`now_unix_ms`) they are not admitted back with it.
+    pub excluded: std::collections::BTreeMap<String, (i64, u64)>,
 }
 
 pub(super) enum Exit {
@@ -238,9 +245,50 @@ impl Driver {
         if self.is_leader() != leading {
             return Ok(Some(Exit::Resync));
         }
+        self.confirm_regroup().await;
         if !leading {
             return Ok(None);
         }
         self.lead(tracker, next_decision_at).await
+    }
+
+    /// Confirms a regroup of the current generation that a member asked for (its workers saw
+    /// a collective fail): this node is alive and reaches etcd, so it stays in the job. Once
+    /// per generation, best effort: a node that cannot confirm is left out, as a lost one is.
+    async fn confirm_regroup(&mut self) {
+        let Some(g) = self.view.generation.as_ref() else {
+            return;
+        };
+        let number = g.number;
+        if g.member(&self.cfg.node_id).is_none()
+            || self.confirmed_regroup == Some(number)
+            || !self.view.regroups.values().any(|r| r.generation == number)
+        {
+            return;
+        }
+        self.confirmed_regroup = Some(number);
+        if self
+            .view
+            .regroups
+            .get(&self.cfg.node_id)
+            .is_some_and(|r| r.generation == number)
+        {
+            return;
+        }
+        let key = self.keys.regroup(&self.cfg.node_id);
+        match ops::put_member_request(
+            &mut self.client,
+            &key,
+            &self.cfg.node_id,
+            self.lease_id,
+            number,
+            "confirmed",
+            self.request_timeout_ms,
+        )
+        .await
+        {
+            Ok(()) => tracing::info!(generation = number, "regroup confirmed"),
+            Err(e) => tracing::warn!(generation = number, error = %e, "cannot confirm the regroup"),
+        }
     }
 }

@@ -15,7 +15,7 @@ use super::commit::Reporter;
 use super::ops;
 use super::state::{job_state_error, write_state};
 use crate::keys::Keys;
-use crate::record::{self, CommitRecord, Generation, JobState, Outcome, WaitingRecord};
+use crate::record::{CommitRecord, Generation, JobState, Outcome, WaitingRecord};
 use crate::{Error, Result};
 
 /// What a handle knows about the job right now.
@@ -235,44 +235,41 @@ impl Handle {
     /// re-formed. So several nodes asking for the same generation give one new generation.
     ///
     /// The request is a small record at `ctl/restart/<node>` under this node's lease: it goes
-    /// with the node. `reason` is kept to [`REASON_BYTES_MAX`](record::REASON_BYTES_MAX) bytes.
+    /// with the node. `reason` is kept to [`REASON_BYTES_MAX`](crate::record::REASON_BYTES_MAX) bytes.
     /// Returns once etcd stored it; watch [`Handle::next_generation`] for the outcome.
     pub async fn request_restart(&self, generation: u64, reason: &str) -> Result<()> {
+        let key = self.keys.restart(&self.cfg.node_id);
+        self.member_request(&key, generation, reason).await?;
+        tracing::info!(parent: &self.span, generation, reason, "restart requested");
+        Ok(())
+    }
+
+    /// Asks the leader to regroup generation `generation` now: this node's workers saw a
+    /// collective fail, so a peer may be gone. Every live member confirms (its rendezvous task
+    /// does, on seeing the request); after the confirmation window the leader re-forms the job
+    /// with the members that confirmed, without waiting for a lost node's lease to lapse.
+    pub async fn request_regroup(&self, generation: u64, reason: &str) -> Result<()> {
+        let key = self.keys.regroup(&self.cfg.node_id);
+        self.member_request(&key, generation, reason).await?;
+        tracing::info!(parent: &self.span, generation, reason, "regroup requested");
+        Ok(())
+    }
+
+    async fn member_request(&self, key: &str, generation: u64, reason: &str) -> Result<()> {
         if let Some(why) = self.fenced_rx.borrow().clone() {
             return Err(self.fenced_error(why));
         }
-        let key = self.keys.restart(&self.cfg.node_id);
-        if generation == 0 {
-            return Err(Error::InvalidConfig {
-                field: "generation",
-                reason: "generation numbers start at 1".into(),
-            });
-        }
-        let mut end = reason.len().min(record::REASON_BYTES_MAX);
-        while !reason.is_char_boundary(end) {
-            end -= 1;
-        }
-        let rec = record::RestartRecord {
-            version: record::RECORD_VERSION,
-            generation,
-            node_id: self.cfg.node_id.clone(),
-            reason: reason[..end].to_string(),
-            requested_unix_ms: ops::now_unix_ms(),
-        };
         let mut client = self.client.clone();
-        ops::bounded(
-            "restart request",
-            &key,
+        ops::put_member_request(
+            &mut client,
+            key,
+            &self.cfg.node_id,
+            self.lease_id,
+            generation,
+            reason,
             self.cfg.connect.request_timeout_ms,
-            client.put(
-                key.clone(),
-                record::encode(&rec),
-                Some(PutOptions::new().with_lease(self.lease_id)),
-            ),
         )
-        .await?;
-        tracing::info!(parent: &self.span, generation, reason = rec.reason, "restart requested");
-        Ok(())
+        .await
     }
 
     /// Marks the job finished (every agent's `next_generation` then fails with

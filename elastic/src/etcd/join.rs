@@ -146,6 +146,9 @@ impl Rendezvous {
                 epoch_lease: None,
                 leading_since: None,
                 known_commit: known_commit.clone(),
+                confirmed_regroup: None,
+                regroup_since: None,
+                excluded: Default::default(),
             };
             let driver_task = tokio::spawn(driver.run().in_current_span());
             let span = tracing::Span::current();

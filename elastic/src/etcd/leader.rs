@@ -118,6 +118,8 @@ impl Driver {
                 .map(|r| r.generation)
                 .filter(|g| *g <= current_number)
                 .max(),
+            regroup: self.regroup_input(current_number, now_ms),
+            excluded: self.excluded_input(now_ms),
         };
         let decision = core::decide(&core_cfg, &input);
         tracing::debug!(?decision, "decision");
@@ -178,6 +180,16 @@ impl Driver {
                             "froze generation"
                         );
                         self.epoch_written(generation.number, epoch_lease);
+                        if let core::Reason::CollectiveFailed { left_out, .. } = &reason {
+                            // A node left out may be dead with its lease still running: not
+                            // admitted back with the same registration for a lease TTL.
+                            let until = now_ms + self.cfg.lease_ttl_ms;
+                            for id in left_out {
+                                if let Some(rev) = self.view.member_revs.get(id) {
+                                    self.excluded.insert(id.clone(), (*rev, until));
+                                }
+                            }
+                        }
                         if let Some(c) = commit {
                             tracing::info!(
                                 step = c.step,
@@ -319,6 +331,45 @@ fn master_port(previous: Option<&Generation>, rank0: &MemberRecord) -> u16 {
             spare
         }
         _ => rank0.master_port,
+    }
+}
+
+impl Driver {
+    /// The regroup of the current generation asked for, if any: who asked or confirmed, and
+    /// since when this leader sees it.
+    fn regroup_input(&mut self, current_number: u64, now_ms: u64) -> Option<core::Regroup> {
+        let confirmed: Vec<String> = self
+            .view
+            .regroups
+            .values()
+            .filter(|r| current_number > 0 && r.generation == current_number)
+            .map(|r| r.node_id.clone())
+            .collect();
+        if confirmed.is_empty() {
+            self.regroup_since = None;
+            return None;
+        }
+        let since_ms = match self.regroup_since {
+            Some((g, t)) if g == current_number => t,
+            _ => {
+                self.regroup_since = Some((current_number, now_ms));
+                now_ms
+            }
+        };
+        Some(core::Regroup {
+            generation: current_number,
+            since_ms,
+            confirmed,
+        })
+    }
+
+    /// Members left out of a regroup that are still registered as they were, within a lease
+    /// TTL of it.
+    fn excluded_input(&mut self, now_ms: u64) -> Vec<String> {
+        let revs = &self.view.member_revs;
+        self.excluded
+            .retain(|id, (rev, until)| now_ms < *until && revs.get(id) == Some(rev));
+        self.excluded.keys().cloned().collect()
     }
 }
 

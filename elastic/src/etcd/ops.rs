@@ -238,3 +238,46 @@ pub(crate) fn now_unix_ms() -> u64 {
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
 }
+
+/// Puts a member's request (`ctl/restart/<node>`, `ctl/regroup/<node>`) under its lease: a
+/// [`RestartRecord`] naming `generation`, with `reason` cut to
+/// [`record::REASON_BYTES_MAX`] bytes.
+pub(crate) async fn put_member_request(
+    client: &mut etcd_client::Client,
+    key: &str,
+    node_id: &str,
+    lease_id: i64,
+    generation: u64,
+    reason: &str,
+    timeout_ms: u64,
+) -> crate::Result<()> {
+    if generation == 0 {
+        return Err(crate::Error::InvalidConfig {
+            field: "generation",
+            reason: "generation numbers start at 1".into(),
+        });
+    }
+    let mut end = reason.len().min(crate::record::REASON_BYTES_MAX);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    let rec = crate::record::RestartRecord {
+        version: crate::record::RECORD_VERSION,
+        generation,
+        node_id: node_id.to_string(),
+        reason: reason[..end].to_string(),
+        requested_unix_ms: now_unix_ms(),
+    };
+    bounded(
+        "member request",
+        key,
+        timeout_ms,
+        client.put(
+            key.to_string(),
+            crate::record::encode(&rec),
+            Some(etcd_client::PutOptions::new().with_lease(lease_id)),
+        ),
+    )
+    .await?;
+    Ok(())
+}

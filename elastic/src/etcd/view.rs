@@ -36,6 +36,8 @@ pub(crate) struct View {
     pub waiting: Option<WaitingRecord>,
     /// Restart requests by requester (`ctl/restart/<node>`).
     pub restarts: BTreeMap<String, RestartRecord>,
+    /// Regroup requests and confirmations by member (`ctl/regroup/<node>`).
+    pub regroups: BTreeMap<String, RestartRecord>,
     /// The highest generation number seen in `ctl/epoch` (kept across deletes and re-reads).
     pub epoch: u64,
     /// The lease `ctl/epoch` hangs on now; 0 when the key is absent.
@@ -109,24 +111,10 @@ impl View {
                 ("ctl/waiting", Some(v)) => self.waiting = Some(record::parse(key, v)?),
                 ("ctl/waiting", None) => self.waiting = None,
                 (r, v) if r.starts_with("ctl/restart/") => {
-                    let id = &r["ctl/restart/".len()..];
-                    match v {
-                        Some(v) => {
-                            let req: RestartRecord = record::parse(key, v)?;
-                            if req.node_id != id {
-                                return Err(Error::BadValue {
-                                    key: key.to_string(),
-                                    reason: format!("record names node {}", req.node_id),
-                                });
-                            }
-                            if self.restarts.len() < MEMBERS_MAX || self.restarts.contains_key(id) {
-                                self.restarts.insert(id.to_string(), req);
-                            }
-                        }
-                        None => {
-                            self.restarts.remove(id);
-                        }
-                    }
+                    apply_request(&mut self.restarts, key, &r["ctl/restart/".len()..], v)?;
+                }
+                (r, v) if r.starts_with("ctl/regroup/") => {
+                    apply_request(&mut self.regroups, key, &r["ctl/regroup/".len()..], v)?;
                 }
                 ("ctl/epoch", Some(v)) => {
                     let e: EpochRecord = record::parse(key, v)?;
@@ -165,6 +153,34 @@ impl View {
         }
         *self = fresh;
     }
+}
+
+/// A request key of one member (`ctl/restart/<node>`, `ctl/regroup/<node>`) put or deleted: the
+/// record must name the node of its key; at most [`MEMBERS_MAX`] are kept.
+fn apply_request(
+    map: &mut BTreeMap<String, RestartRecord>,
+    key: &str,
+    id: &str,
+    v: Option<&[u8]>,
+) -> Result<()> {
+    match v {
+        Some(v) => {
+            let req: RestartRecord = record::parse(key, v)?;
+            if req.node_id != id {
+                return Err(Error::BadValue {
+                    key: key.to_string(),
+                    reason: format!("record names node {}", req.node_id),
+                });
+            }
+            if map.len() < MEMBERS_MAX || map.contains_key(id) {
+                map.insert(id.to_string(), req);
+            }
+        }
+        None => {
+            map.remove(id);
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

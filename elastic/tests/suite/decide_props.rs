@@ -4,8 +4,8 @@
 use std::collections::BTreeSet;
 
 use elastic::core::{
-    CommitInfo, CoreConfig, Decision, Input, JoinPolicy, MemberState, Observed, Reason, Timing,
-    decide,
+    CommitInfo, CoreConfig, Decision, Input, JoinPolicy, MemberState, Observed, Reason, Regroup,
+    Timing, decide,
 };
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -26,6 +26,7 @@ fn random_case(rng: &mut StdRng) -> (CoreConfig, Input) {
         settle_ms: rng.random_range(0..=2_000),
         join_policy: policy,
         below_min_timeout_ms: rng.random_range(0..=5_000),
+        confirm_window_ms: rng.random_range(0..=1_000),
     };
     let ids = ["a", "b", "c", "d", "e", "f", "g", "h"];
     let mut members = Vec::new();
@@ -74,8 +75,17 @@ fn random_case(rng: &mut StdRng) -> (CoreConfig, Input) {
         current_number: 0,
         restart_requested_for: None,
         current_resume_step: None,
+        regroup: None,
+        excluded: vec![],
     };
     let mut input = input;
+    // Some present members left out of a regroup lately.
+    input.excluded = input
+        .members
+        .iter()
+        .filter(|_| rng.random_bool(0.1))
+        .map(|m| m.node_id.clone())
+        .collect();
     if input.current.is_some() {
         input.current_number = rng.random_range(1..=5);
         // Requests for the current generation, stale ones and (impossible, but harmless) newer ones.
@@ -86,6 +96,23 @@ fn random_case(rng: &mut StdRng) -> (CoreConfig, Input) {
             _ => None,
         };
         input.current_resume_step = rng.random_bool(0.7).then(|| rng.random_range(0..1000));
+        // A regroup of the current generation (or a stale one), confirmed by some members.
+        if rng.random_bool(0.3) {
+            let generation = if rng.random_bool(0.8) {
+                input.current_number
+            } else {
+                input.current_number - 1
+            };
+            input.regroup = Some(Regroup {
+                generation,
+                since_ms: rng.random_range(0..=now_ms),
+                confirmed: ids
+                    .iter()
+                    .filter(|_| rng.random_bool(0.7))
+                    .map(|s| s.to_string())
+                    .collect(),
+            });
+        }
     }
     (cfg, input)
 }
@@ -135,6 +162,37 @@ fn check(cfg: &CoreConfig, input: &Input, d: &Decision) -> Result<(), String> {
             }
         }
     }
+    let regroup_current = input
+        .regroup
+        .as_ref()
+        .filter(|r| input.current.is_some() && r.generation == input.current_number);
+    if let Reason::CollectiveFailed { left_out, .. } = d.reason() {
+        let r = regroup_current.ok_or("re-formed for a stale (or no) regroup")?;
+        let Decision::Freeze { members, .. } = d else {
+            return Err("a regroup that is not a freeze".into());
+        };
+        for id in input.current.iter().flatten() {
+            if members.contains(id) && !r.confirmed.contains(id) {
+                return Err(format!("kept {id}, which did not confirm"));
+            }
+        }
+        for id in left_out {
+            if r.confirmed.contains(id) || members.contains(id) {
+                return Err(format!("left out {id}, which confirmed (or kept it)"));
+            }
+        }
+        if !left_out.is_empty() && input.now_ms < r.since_ms + cfg.confirm_window_ms {
+            return Err("left members out before the confirmation window ended".into());
+        }
+    }
+    if let Decision::Freeze { members, .. } = d {
+        let cur: BTreeSet<&String> = input.current.iter().flatten().collect();
+        for m in members {
+            if input.excluded.contains(m) && !cur.contains(m) {
+                return Err(format!("admitted {m}, which was left out of a regroup"));
+            }
+        }
+    }
     match d {
         Decision::Freeze { members, .. } => {
             let set: BTreeSet<&String> = members.iter().collect();
@@ -175,7 +233,10 @@ fn check(cfg: &CoreConfig, input: &Input, d: &Decision) -> Result<(), String> {
                 if !newcomers.is_sorted() {
                     return Err("newcomers not in join order".into());
                 }
-                let stale = matches!(d.reason(), Reason::StaleResume { .. });
+                let stale = matches!(
+                    d.reason(),
+                    Reason::StaleResume { .. } | Reason::CollectiveFailed { .. }
+                );
                 if members == cur && !restart_current && !stale {
                     return Err("froze the same generation again".into());
                 }
@@ -190,7 +251,7 @@ fn check(cfg: &CoreConfig, input: &Input, d: &Decision) -> Result<(), String> {
             let eligible = input
                 .members
                 .iter()
-                .filter(|m| m.state == MemberState::Alive)
+                .filter(|m| m.state == MemberState::Alive && !input.excluded.contains(&m.node_id))
                 .count() as u32;
             if eligible >= cfg.min_nodes {
                 return Err("failed with min eligible members present".into());

@@ -1,8 +1,8 @@
 //! Drives the pure decision core with the cases in `testdata/decide.json`.
 
 use elastic::core::{
-    CommitInfo, CoreConfig, Decision, Input, JoinPolicy, MemberState, Observed, Timing, Tracker,
-    decide,
+    CommitInfo, CoreConfig, Decision, Input, JoinPolicy, MemberState, Observed, Regroup, Timing,
+    Tracker, decide,
 };
 use serde::Deserialize;
 
@@ -39,6 +39,12 @@ struct Case {
     /// The step the current generation resumes from.
     #[serde(default)]
     resume: Option<u64>,
+    /// A regroup of the current generation: `[since_ms, [confirmed...]]`.
+    #[serde(default)]
+    regroup: Option<(u64, Vec<String>)>,
+    /// Members left out of a regroup lately.
+    #[serde(default)]
+    excluded: Vec<String>,
     expect: Decision,
 }
 
@@ -50,6 +56,7 @@ fn config(case: &Case) -> CoreConfig {
         settle_ms: 1_000,
         join_policy: case.policy.unwrap_or(JoinPolicy::Immediate),
         below_min_timeout_ms: 10_000,
+        confirm_window_ms: 500,
     }
 }
 
@@ -88,6 +95,12 @@ fn decision_table() {
             current_number: case.number,
             restart_requested_for: case.restart_for,
             current_resume_step: case.resume,
+            regroup: case.regroup.as_ref().map(|(since_ms, confirmed)| Regroup {
+                generation: case.number,
+                since_ms: *since_ms,
+                confirmed: confirmed.clone(),
+            }),
+            excluded: case.excluded.clone(),
         };
         let got = decide(&cfg, &input);
         if got != case.expect {
@@ -115,6 +128,7 @@ fn every_reason_has_a_message() {
         settle_ms: 0,
         join_policy: JoinPolicy::Immediate,
         below_min_timeout_ms: 0,
+        confirm_window_ms: 0,
     };
     let input = Input {
         now_ms: 0,
@@ -125,6 +139,8 @@ fn every_reason_has_a_message() {
         current_number: 0,
         restart_requested_for: None,
         current_resume_step: None,
+        regroup: None,
+        excluded: vec![],
     };
     let d = decide(&cfg, &input);
     assert!(matches!(d, Decision::Fail { .. }), "{d:?}");
@@ -139,6 +155,7 @@ fn config_rejects_bad_ranges() {
         settle_ms: 0,
         join_policy: JoinPolicy::Immediate,
         below_min_timeout_ms: 0,
+        confirm_window_ms: 0,
     };
     assert!(cfg.validate().is_err());
     cfg.min_nodes = 3;

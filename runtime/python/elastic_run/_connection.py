@@ -37,6 +37,8 @@ class _Agent:
         self.path = path
         self.sock = None
         self.buf = b""
+        # Set by shut(): no request is sent again (no reconnect).
+        self.shut_down = False
 
     def _connect(self):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -54,6 +56,8 @@ class _Agent:
         for attempt in (0, 1):
             try:
                 if self.sock is None:
+                    if self.shut_down:
+                        raise ConnectionError("the connection to the agent was shut")
                     self._connect()
                 self.sock.settimeout(timeout_s)
                 self.sock.sendall(line)
@@ -96,6 +100,16 @@ class _Agent:
         # The next line boundary is unknown: this connection is done.
         self.close()
         raise FormatError(f"agent reply longer than {protocol.MESSAGE_BYTES_MAX} bytes")
+
+    def shut(self):
+        """Cuts off a request in flight (from another thread) and refuses any later one."""
+        self.shut_down = True
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self):
         if self.sock is not None:

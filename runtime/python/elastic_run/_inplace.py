@@ -7,7 +7,7 @@ trains on from the weights in its memory.
     step = ip.load()                           # er.load(state), then agree with live peers
     while step < steps:
         if ip.switch_pending():                # a new generation (or a failed step)
-            step = ip.switch()                 # new group, ranks, scaling; the agreed step
+            step = ip.switch(step)             # new group, ranks, scaling; the agreed step
         step += 1
         with ip.step():                        # a collective that fails ends the block
             loss = model(x).loss(); loss.backward()
@@ -49,14 +49,13 @@ import atexit
 import datetime
 import json
 import os
-import socket
 import threading
 import time
 
 from . import _state, protocol
 from ._connection import _Agent, _agent_conn
 from ._env import local_rank
-from .protocol import FormatError, _get, _get_int, _msg_switched, _msg_watch
+from .protocol import FormatError, _get, _get_int, _msg_collective_failed, _msg_switched, _msg_watch
 
 
 # How long a failed step waits for the agent to offer a new generation (the lost peer's lease
@@ -65,8 +64,13 @@ OFFER_WAIT_S = 120.0
 # Gradients are all-reduced in buffers of at most this many bytes (one parameter larger than it
 # goes alone).
 GRAD_BUFFER_BYTES = 32 * 1024 * 1024
-# Forming a group, and every collective on it.
+# Every collective on a group.
 TIMEOUT_S = 300.0
+# Forming a group at a switch: the TCPStore and the connections to every rank (a peer that is
+# restarted instead of switching needs its interpreter and torch first).
+FORM_TIMEOUT_S = 90.0
+# Offers taken at one switch while newer ones replace them.
+_SWITCH_ATTEMPTS_MAX = 8
 # A collective's completion is polled from this pause, doubling up to _POLL_S, which is also how
 # soon a wait notices an offer.
 _POLL_FIRST_S = 0.0001
@@ -112,36 +116,37 @@ def _is_collective_error(e):
 
 class _Offers:
     """The generations the agent offers, heard by a daemon thread that holds a ``watch``
-    request on its own connection."""
+    request on its own connection. An offer is ``(generation, rank_offset, rank, env)``:
+    ``rank`` is this worker's in it, as the agent maps it (local ranks may all read 0 under
+    torchrun's virtual local rank)."""
 
-    def __init__(self, generation, rank_offset):
+    def __init__(self, generation, rank):
         self.lock = threading.Lock()
         self.changed = threading.Event()
         self.current = generation
-        self.offset = rank_offset
-        self.offer = None  # (generation, rank_offset, env)
+        self.rank = rank
+        self.offer = None
         self.stopped = False
         self.conn = None
         path = os.environ.get("ELASTIC_AGENT_SOCKET")
         self.thread = None
         if path:
-            self.thread = threading.Thread(target=self._run, args=(path,), name="elastic_run-watch",
-                                           daemon=True)
+            self.conn = _Agent(path)
+            self.thread = threading.Thread(target=self._run, name="elastic_run-watch", daemon=True)
             self.thread.start()
 
-    def _run(self, path):
-        conn = self.conn = _Agent(path)
+    def _run(self):
+        conn = self.conn
         while not self.stopped:
             with self.lock:
-                gen = self.offer[0] if self.offer else self.current
-                offset = self.offer[1] if self.offer else self.offset
+                gen, rank = (self.offer[0], self.offer[2]) if self.offer else (self.current, self.rank)
             try:
-                reply = conn.request(_msg_watch(offset + local_rank(), gen),
-                                     timeout_s=protocol.WATCH_HOLD_S + 30.0,
+                reply = conn.request(_msg_watch(rank, gen), timeout_s=protocol.WATCH_HOLD_S + 30.0,
                                      expect=protocol.REPLY_GENERATION)
                 where = "agent reply to 'watch'"
                 g = _get_int(where, reply, "generation", 0, protocol.STEP_MAX)
                 o = _get_int(where, reply, "rank_offset", 0, protocol.WORLD_SIZE_MAX - 1)
+                r = _get_int(where, reply, "rank", 0, protocol.WORLD_SIZE_MAX - 1)
                 env = _get(where, reply, "env", dict, {})
                 if any(not isinstance(k, str) or not isinstance(v, str) for k, v in env.items()):
                     raise FormatError(f"{where}: env holds a value that is not a string")
@@ -152,20 +157,17 @@ class _Offers:
                 continue
             if g != gen and env:
                 with self.lock:
-                    self.offer = (g, o, env)
+                    self.offer = (g, o, r, env)
                 self.changed.set()
 
     def stop(self):
-        """Ends the watch thread: its held request is cut off (a thread still blocked in it
-        when the interpreter exits would wake up in a half torn-down interpreter)."""
+        """Ends the watch thread: its held request is cut off, and not sent again (a thread
+        still blocked in it when the interpreter exits would wake up in a half torn-down
+        interpreter)."""
         self.stopped = True
         self.changed.set()
-        conn = self.conn
-        if conn is not None and conn.sock is not None:
-            try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        if self.conn is not None:
+            self.conn.shut()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(_STOP_JOIN_S)
 
@@ -186,9 +188,9 @@ class _Offers:
                 return None
             self.changed.wait(min(left, 1.0))
 
-    def switched(self, generation, offset):
+    def switched(self, generation, rank):
         with self.lock:
-            self.current, self.offset = generation, offset
+            self.current, self.rank = generation, rank
             if self.offer is not None and self.offer[0] == generation:
                 self.offer = None
 
@@ -254,9 +256,11 @@ class InPlace:
         self.works = []
         self.switches = 0
         self.store, self.group = _form_group(self.timeout_s)
-        self.offers = _Offers(generation(), rank() - local_rank())
+        self.offers = _Offers(generation(), rank())
         self.world = world_size()
         self.closed = False
+        # The generation whose failed collective was reported to the agent.
+        self.reported_for = None
         _state.in_place = self
         # Threads of its own end before the interpreter does, should the loop not close it.
         atexit.register(self.close)
@@ -271,6 +275,7 @@ class InPlace:
 
         step = load(self.state) or 0
         self.step_count = self._agree(step)
+        self._started_at(self.step_count)
         return self.step_count
 
     def switch_pending(self):
@@ -328,6 +333,7 @@ class InPlace:
         collectives of this step held. False drops the step on every rank."""
         if self.failed is not None:
             ok = 0
+            self._report_failure()
         elif self.offers.pending():
             self.failed = "a new generation was offered during the step"
             ok = 0
@@ -345,49 +351,56 @@ class InPlace:
             return False
         return True
 
-    def switch(self, step=None):
+    def switch(self, step):
         """Leaves the old group for the offered generation's (waiting for the offer up to
         ``offer_wait_s``) and returns the step every rank of the new group continues from.
-        ``step``: the last step this rank applied (default: as the loop left it)."""
+        ``step``: the last step this rank applied."""
+        from ._connection import AgentError
         from ._save import wait as wait_saves
 
-        if step is not None:
-            self.step_count = step
         started = time.monotonic()
-        offer = self.offers.take(self.offer_wait_s)
-        if offer is None:
-            why = self.failed
-            if isinstance(why, BaseException):
-                raise why
-            raise SwitchError(f"elastic_run: no new generation was offered within {self.offer_wait_s:g} s "
-                              f"after: {why}")
-        generation, offset, env = offer
         try:
             wait_saves()
         except Exception as e:  # the save's own error was reported to the agent
             print(f"elastic_run: the save in flight failed before the switch: {e}", flush=True)
+        for attempt in range(_SWITCH_ATTEMPTS_MAX):
+            offer = self.offers.take(self.offer_wait_s)
+            if offer is None:
+                why = self.failed
+                if isinstance(why, BaseException):
+                    raise why
+                raise SwitchError(f"elastic_run: no new generation was offered within {self.offer_wait_s:g} s "
+                                  f"after: {why}")
+            generation, _offset, new_rank, env = offer
+            conn = _agent_conn()
+            try:
+                if conn is not None:
+                    conn.request(_msg_switched(new_rank, generation))
+                break
+            except AgentError as e:
+                # A newer generation replaced the offer meanwhile: take that one.
+                print(f"elastic_run: the switch to generation {generation} was refused ({e}); taking the newer offer",
+                      flush=True)
+                time.sleep(_POLL_S)
+        else:
+            raise SwitchError(f"elastic_run: no switch was accepted in {_SWITCH_ATTEMPTS_MAX} attempts")
         for k, v in env.items():
             if v == "":
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        new_rank = offset + local_rank()
         os.environ["RANK"] = os.environ["ROLE_RANK"] = str(new_rank)
-        conn = _agent_conn()
-        if conn is not None:
-            conn.request(_msg_switched(new_rank, generation))
-        self.offers.switched(generation, offset)
+        self.offers.switched(generation, new_rank)
         old, self.group, self.store = (self.group, self.store), None, None
         self._retire(*old)
         del old
-        self.store, self.group = _form_group(self.timeout_s)
+        self.store, self.group = _form_group(min(self.timeout_s, FORM_TIMEOUT_S))
         from ._env import world_size
 
         self.world = world_size()
         self.failed = None
-        self.step_count = self._agree(self.step_count or 0)
-        os.environ["ELASTIC_RESUME_STEP"] = str(self.step_count)
-        self._restart_lr_scaling()
+        self.step_count = self._agree(step)
+        self._started_at(self.step_count)
         self.switches += 1
         _state.checkpoint_at = None
         ms = (time.monotonic() - started) * 1000
@@ -429,6 +442,21 @@ class InPlace:
         import torch
 
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+
+    def _report_failure(self):
+        """Tells the agent, once per generation, that a collective of this rank failed: it asks
+        etcd to regroup now rather than wait for a lost peer's lease to lapse."""
+        from ._env import generation, rank
+
+        g = generation()
+        conn = _agent_conn()
+        if conn is None or self.reported_for == g:
+            return
+        self.reported_for = g
+        try:
+            conn.request(_msg_collective_failed(rank(), g, str(self.failed)))
+        except (OSError, RuntimeError) as e:  # the lease still decides
+            print(f"elastic_run: cannot tell the agent of the failed collective: {e}", flush=True)
 
     def _wait(self, issue, t):
         """Runs one collective, waiting in slices: None when it failed, timed out, or an offer
@@ -483,20 +511,25 @@ class InPlace:
 
     def _agree(self, step):
         """The step every rank of the current group continues from, the highest any holds:
-        ranks behind receive the state from the lowest rank at it."""
+        ranks behind receive the state from the lowest rank at it. At a fresh start (step 0
+        everywhere) every rank takes rank 0's state, its initial weights, as DDP's construction
+        would broadcast them."""
         import torch
+
+        from ._env import rank
 
         if self.world == 1:
             return step
         dev = self._device()
+        me = rank()
         t = torch.tensor([step, -step], dtype=torch.int64, device=dev)
         self._sync(lambda: self.group.allreduce([t], _reduce_op("MAX")))
         hi, lo = int(t[0]), -int(t[1])
-        if hi == lo:
+        if hi == lo and hi > 0:
             return step
-        from ._env import rank
-
-        me = rank()
+        if hi == 0:
+            self._broadcast_state(0, me)
+            return 0
         src = torch.tensor([-(me if step == hi else self.world)], dtype=torch.int64, device=dev)
         self._sync(lambda: self.group.allreduce([src], _reduce_op("MAX")))
         source = -int(src[0])
@@ -554,9 +587,12 @@ class InPlace:
         if me != source:
             _tree.apply(self.state, meta["skeleton"], received, f"state received from rank {source}")
 
-    def _restart_lr_scaling(self):
+    def _started_at(self, step):
+        """This generation's training starts after ``step``, on every rank alike: the LR warm-up
+        counts from it (``ELASTIC_RESUME_STEP``, as after a restore)."""
         from . import _lr, _tree
 
+        os.environ["ELASTIC_RESUME_STEP"] = str(step)
         for opt in _tree.optimizers(self.state):
             scaling = getattr(opt, _lr._ATTR, None)
             if scaling is not None:

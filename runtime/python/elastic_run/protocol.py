@@ -69,6 +69,7 @@ MSG_SAVED = "saved"
 MSG_SKIPPED = "skipped"
 MSG_WATCH = "watch"
 MSG_SWITCHED = "switched"
+MSG_COLLECTIVE_FAILED = "collective_failed"
 # Every request kind and its fields besides `type`, in the order sent (protocol.rs
 # `Request`: rank is a u32, step a u64, dir and reason strings, last a bool).
 REQUESTS = {
@@ -79,6 +80,7 @@ REQUESTS = {
     MSG_SKIPPED: ("rank", "step", "reason"),
     MSG_WATCH: ("rank", "generation"),
     MSG_SWITCHED: ("rank", "generation"),
+    MSG_COLLECTIVE_FAILED: ("rank", "generation", "reason"),
 }
 # Reply kinds (agent -> worker). `state` carries should_stop (a bool), should_checkpoint_at (a
 # step or null) and generation; `error` a message.
@@ -90,7 +92,8 @@ REPLY_GENERATION = "generation"
 # The longest the agent holds a `watch` before answering it unchanged (protocol.rs
 # WATCH_HOLD_MS).
 WATCH_HOLD_S = 10.0
-# The reason a skip reports to the agent is cut to this (a message line is bounded).
+# The reason a skip (or a failed collective) reports to the agent is cut to this (a message line
+# is bounded).
 _SKIP_REASON_CHARS_MAX = 1000
 
 
@@ -134,6 +137,13 @@ def _msg_switched(rank, generation):
     return {"type": MSG_SWITCHED, "rank": rank, "generation": int(generation)}
 
 
+def _msg_collective_failed(rank, generation, reason):
+    """A collective of rank ``rank`` failed in ``generation`` (a peer may be gone): the agent
+    asks etcd to regroup it now. ``reason`` is cut to ``_SKIP_REASON_CHARS_MAX`` characters."""
+    return {"type": MSG_COLLECTIVE_FAILED, "rank": rank, "generation": int(generation),
+            "reason": reason[:_SKIP_REASON_CHARS_MAX]}
+
+
 def _sample_messages():
     """One request of every kind in :data:`REQUESTS`, in that order, built by the same
     functions the client sends them with, from representative values."""
@@ -146,6 +156,7 @@ def _sample_messages():
                              "device; this rank's snapshot is 1048576 bytes, 4096 of 65536 bytes free)"),
         _msg_watch(3, 4),
         _msg_switched(1, 5),
+        _msg_collective_failed(3, 4, "[pair.cc:537] Read error [10.0.0.2]:41234: Connection reset by peer"),
     ]
 
 

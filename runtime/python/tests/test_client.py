@@ -79,9 +79,9 @@ class FakeAgent:
                 # Generation 3 is on offer; a rank already in it is held, as the agent does.
                 if req["generation"] == 3:
                     time.sleep(0.2)
-                    rep = {"type": "generation", "generation": 3, "rank_offset": 0, "env": {}}
+                    rep = {"type": "generation", "generation": 3, "rank_offset": 0, "rank": req["rank"], "env": {}}
                 else:
-                    rep = {"type": "generation", "generation": 3, "rank_offset": 0,
+                    rep = {"type": "generation", "generation": 3, "rank_offset": 0, "rank": 0,
                            "env": {"WORLD_SIZE": "1", "ELASTIC_LR": ""}}
             else:
                 rep = {"type": "ok"}
@@ -1124,7 +1124,8 @@ class Messages(TorchEnv):
         self.assertEqual(lines[-1], b"", out)
         msgs = [json.loads(line) for line in lines[:-1]]
         self.assertEqual([m["type"] for m in msgs], list(requests))
-        self.assertEqual(set(requests), {"progress", "query", "peer_stop", "saved", "skipped", "watch", "switched"})
+        self.assertEqual(set(requests), {"progress", "query", "peer_stop", "saved", "skipped", "watch", "switched",
+                                         "collective_failed"})
         for line, m in zip(lines, msgs):
             with self.subTest(kind=m["type"]):
                 self.assertIsInstance(m, dict)
@@ -1176,12 +1177,19 @@ class Messages(TorchEnv):
         # is announced.
         offers = er._inplace._Offers(2, 0)
         self.addCleanup(setattr, offers, "stopped", True)
-        self.assertEqual(offers.take(30), (3, 0, {"WORLD_SIZE": "1", "ELASTIC_LR": ""}))
+        self.assertEqual(offers.take(30), (3, 0, 0, {"WORLD_SIZE": "1", "ELASTIC_LR": ""}))
         offers.stopped = True
         er._connection._agent_conn().request(er.protocol._msg_switched(0, 3))
+        # A failed collective, reported once per generation.
+        ip = er._inplace.InPlace.__new__(er._inplace.InPlace)
+        ip.reported_for, ip.failed = None, RuntimeError("Connection reset by peer")
+        self.env(ELASTIC_GENERATION=3)
+        ip._report_failure()
+        ip._report_failure()
         self.assertEqual(agent.requests[7], er.protocol._msg_watch(0, 2))
         kinds = [r["type"] for r in agent.requests if r["type"] != "watch"]
-        self.assertEqual(kinds, ["progress", "query", "query", "peer_stop", "saved", "saved", "skipped", "switched"])
+        self.assertEqual(kinds, ["progress", "query", "query", "peer_stop", "saved", "saved", "skipped", "switched",
+                                 "collective_failed"])
         kinds = [r["type"] for r in agent.requests]
         self.assertEqual(set(kinds), set(er.protocol.REQUESTS))
         for r in agent.requests:

@@ -59,6 +59,13 @@ def rank_main(rank, out):
     res["failed_step_raised"] = False
     res["vote_failed"] = ip.commit()
     res["pending"] = ip.switch_pending()
+    # A fresh start (step 0 everywhere): every rank takes rank 0's initial weights.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(float(rank + 1))
+    ip.failed = None
+    res["fresh_step"] = ip._agree(0)
+    res["fresh_weights"] = [p.detach().flatten().tolist() for p in model.parameters()]
     ip.close()
     out.put((rank, res))
 
@@ -104,3 +111,6 @@ class InPlaceGroup(tc.TorchEnv):
         # A failed vote means a collective failed somewhere: every rank waits for the new
         # generation before its next step.
         self.assertTrue(a["pending"] and b["pending"])
+        self.assertEqual((a["fresh_step"], b["fresh_step"]), (0, 0))
+        self.assertEqual(b["fresh_weights"], a["fresh_weights"])
+        self.assertNotEqual(a["fresh_weights"], a["weights"], "rank 0's own weights were changed too")

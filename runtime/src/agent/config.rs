@@ -87,7 +87,8 @@ pub fn scaling_config(cli: &Cli, nproc: u32) -> elastic::ScalingConfig {
 
 /// Reads `--rdzv-conf` into the rendezvous configuration. Keys: `lease_ttl_ms`, `settle_ms`,
 /// `join_policy` (`immediate`, `after_commit`, `waiting:K`), `below_min_timeout_ms`,
-/// `fence_margin_ms`, `request_timeout_ms`; torchrun's `join_timeout` and `timeout` (seconds:
+/// `confirm_window_ms` (how long a regroup after a failed collective waits for members to
+/// confirm), `fence_margin_ms`, `request_timeout_ms`; torchrun's `join_timeout` and `timeout` (seconds:
 /// how long the job may stay below `min`) and `last_call_timeout` (seconds: the settle
 /// window) are honoured too, and its `keep_alive_interval` and `keep_alive_max_attempt` are
 /// accepted and ignored; `is_host` and `read_timeout` are c10d's ([`c10d_config`]). How to reach
@@ -136,6 +137,7 @@ pub fn rendezvous_config(
             "settle_ms" => cfg.settle_ms = ms(v)?,
             "last_call_timeout" => cfg.settle_ms = secs(v)?,
             "below_min_timeout_ms" => cfg.below_min_timeout_ms = ms(v)?,
+            "confirm_window_ms" => cfg.confirm_window_ms = ms(v)?,
             "join_timeout" | "timeout" => cfg.below_min_timeout_ms = secs(v)?,
             "fence_margin_ms" => cfg.fence_margin_ms = Some(ms(v)?),
             k if RDZV_CONF_CONNECT_KEYS.contains(&k) => {}
@@ -180,6 +182,7 @@ pub const RDZV_CONF_KEYS: &[&str] = &[
     "settle_ms",
     "join_policy",
     "below_min_timeout_ms",
+    "confirm_window_ms",
     "fence_margin_ms",
     "request_timeout_ms",
     "join_timeout",

@@ -27,6 +27,8 @@ const FIRST_STEP_POLL_MS: u64 = 50;
 /// past it, it leaves once its workers exit, as without the early leave.
 const EARLY_LEAVE_REPORT_MS: u64 = 2_000;
 
+/// How long the agent's loop waits for etcd to take a regroup request.
+const REGROUP_REQUEST_MS: u64 = 1_000;
 /// How long the workers have to switch to a generation offered in place before the agent
 /// restarts them into it instead (a worker that cannot leave its old process group).
 const IN_PLACE_SWITCH_MS: u64 = 30_000;
@@ -198,7 +200,23 @@ impl Agent {
                         m.report_soon(point);
                     }
                 }
-                Ok(()) = in_place_rx.changed(), if switching.is_some() => {
+                Ok(()) = in_place_rx.changed() => {
+                    if let Some((g, why)) = state.take_collective_failure()
+                        && let (Membership::Etcd(m), Some(run)) = (&*membership, running_gen.as_ref())
+                        && run.number == g
+                        && drain.is_none()
+                        && stop_why.is_none()
+                        && let Some(h) = m.handle.as_ref()
+                    {
+                        // The lost peer's lease may run for seconds more: the members that
+                        // confirm in the window re-form without it.
+                        tracing::warn!(generation = g, reason = %why, "a worker's collective failed; asking to regroup now");
+                        match tokio::time::timeout(Duration::from_millis(REGROUP_REQUEST_MS), h.request_regroup(g, &why)).await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(e)) => tracing::warn!(error = %e, "cannot ask to regroup; the lease decides"),
+                            Err(_) => tracing::warn!(timeout_ms = REGROUP_REQUEST_MS, "asking to regroup timed out; the lease decides"),
+                        }
+                    }
                     let done = switching.as_ref().is_some_and(|sw| state.generation() == sw.view.generation);
                     if let Some(sw) = switching.take_if(|_| done) {
                         // Every local worker left its old process group for the new one.
@@ -228,7 +246,7 @@ impl Agent {
                 () = async {
                     let sw = switching.as_ref().expect("guarded");
                     tokio::time::sleep_until((sw.offered + Duration::from_millis(IN_PLACE_SWITCH_MS)).into()).await
-                }, if switching.is_some() && stop_why.is_none() => {
+                }, if switching.is_some() && stop_why.is_none() && drain.is_none() => {
                     let sw = switching.take().expect("guarded");
                     state.withdraw_offer();
                     tracing::warn!(generation = sw.view.generation, "the workers did not switch to the new generation in place in time; restarting them into it");
@@ -249,6 +267,16 @@ impl Agent {
                         {
                             if switching.as_ref().is_some_and(|sw| sw.view.generation == newest.number) {
                                 // Offered already; the workers are switching.
+                                continue;
+                            }
+                            if switching.as_ref().is_some_and(|sw| state.generation() == sw.view.generation) {
+                                // The workers finished the switch already: the node runs that
+                                // generation before it judges this one (the completion's
+                                // branch runs first, then this view again).
+                                if let Some(rx) = snap_rx.as_mut() {
+                                    rx.mark_changed();
+                                }
+                                tokio::task::yield_now().await;
                                 continue;
                             }
                             if let Some(sw) = offer_in_place(node, newest, switching.is_some()) {

@@ -24,6 +24,9 @@
 //! one, say `switched`, and train on from memory; no restore, no new process. Once all have
 //! switched, the node runs the new generation (events: `generation` with `in_place`). Workers
 //! that do not switch within `IN_PLACE_SWITCH_MS` are stopped and started into it as before.
+//! A worker whose collective failed says so (`collective_failed`): the agent asks etcd to
+//! regroup the generation at once, and the leader re-forms it with the members that confirm
+//! within the confirmation window, without waiting for a lost node's lease.
 //!
 //! # Checkpoints
 //!

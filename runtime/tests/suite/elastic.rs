@@ -387,6 +387,12 @@ fn sigkill_of_one_node_leaves_the_survivors_switching_in_place_and_a_joiner_take
     let (code_a, out_a, err_a) = a.finish(LONG);
     let (code_b, out_b, err_b) = b.finish(LONG);
     let (code_d, out_d, err_d) = d.finish(LONG);
+    // The survivors' failed collective asked for the regroup: the leader (a, started first)
+    // re-formed without c once a and b confirmed, not when c's lease lapsed.
+    assert!(
+        err_a.contains("left out (did not confirm): c"),
+        "no regroup without c on a:\n{err_a}"
+    );
     assert_eq!(code_a, 0, "{out_a}\n{err_a}");
     assert_eq!(code_b, 0, "{err_b}");
     assert_eq!(code_d, 0, "{out_d}\n{err_d}");
@@ -396,20 +402,42 @@ fn sigkill_of_one_node_leaves_the_survivors_switching_in_place_and_a_joiner_take
     );
     assert!(out_a.contains("world 4 accum 1"), "{out_a}");
     assert!(out_a.contains("done step 90 "), "{out_a}");
+    // d's ranks restored the newest commit; when the survivors were past it, both took the
+    // survivors' state (a commit at the very step they switched at leaves nothing to take).
     let resumed = g3["resume_step"]
         .as_u64()
         .expect("the joiner restored a commit");
+    let switched_at: u64 = out_a
+        .lines()
+        .find_map(|l| {
+            l.split(&format!(
+                "switched to generation {} in place at step ",
+                g3["generation"]
+            ))
+            .nth(1)?
+            .split(' ')
+            .next()?
+            .parse()
+            .ok()
+        })
+        .unwrap_or_else(|| panic!("a did not switch to the joiner's generation:\n{out_a}"));
     let healed: Vec<&str> = out_d
         .lines()
         .filter(|l| l.contains("took the state of step"))
         .collect();
+    assert!(switched_at >= resumed, "{switched_at} < {resumed}");
+    let want = if switched_at > resumed { 2 } else { 0 };
     assert_eq!(
         healed.len(),
-        2,
-        "both of d's ranks took the state from a peer:\n{out_d}"
+        want,
+        "d's ranks and the survivors' state:\n{out_d}"
     );
     for l in &healed {
-        assert!(l.contains(&format!("(it held step {resumed})")), "{l}");
+        assert!(
+            l.contains(&format!("state of step {switched_at} "))
+                && l.contains(&format!("(it held step {resumed})")),
+            "{l}"
+        );
     }
     // Every rank ends with the same weights: the joiner's are the survivors'.
     let digests: std::collections::BTreeSet<&str> = [&out_a, &out_b, &out_d]

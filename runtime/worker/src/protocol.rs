@@ -26,6 +26,7 @@
 //! | `{"type":"peer_stop","rank":R,"step":S}` | the workers agreed to stop at step S because another node's agent asked, not this one (its clean exit is then no end of the job) | `ok` |
 //! | `{"type":"watch","rank":R,"generation":G}` | rank R switches generations in place (recovery in place): tell it when the job runs a generation other than G. Every rank of the node must watch for the agent to switch in place | `generation`, at once when the agent offers another generation, else after at most [`WATCH_HOLD_MS`] (then with G again) |
 //! | `{"type":"switched","rank":R,"generation":G}` | rank R (its rank in G) left its old process group for generation G's, and has no save of the old generation in flight | `ok` |
+//! | `{"type":"collective_failed","rank":R,"generation":G,"reason":"..."}` | a collective of rank R failed in generation G (a peer may be gone): the agent asks etcd to regroup G now, without waiting for a lost peer's lease | `ok` |
 //!
 //! Steps are at most [`STEP_MAX`]; ranks must be the agent's node's ranks of the current
 //! generation.
@@ -37,8 +38,8 @@
 //!   `should_stop` is set while the agent drains (SIGTERM, SIGINT, a preemption notice, or a
 //!   new generation on its way); workers then save the step they agree on and exit 0.
 //!   `should_checkpoint_at` asks for a snapshot at that step (or the first step past it).
-//! - `{"type":"generation","generation":G,"rank_offset":O,"env":{...}}`: the generation the
-//!   workers are to run, in place: their ranks start at O (rank = O + local rank), and `env`
+//! - `{"type":"generation","generation":G,"rank_offset":O,"rank":R,"env":{...}}`: the generation
+//!   the workers are to run, in place: their ranks start at O, the asking worker's is R, and `env`
 //!   holds the environment variables that change with a generation (`WORLD_SIZE`,
 //!   `MASTER_ADDR`, `MASTER_PORT`, `ELASTIC_GENERATION`, the scaling, ...), as a new worker of
 //!   it would get them.
@@ -148,11 +149,17 @@ pub enum Request {
     /// Rank `rank` (its rank in `generation`) switched to `generation` in place: its saves
     /// from now on belong to it.
     Switched { rank: u32, generation: u64 },
+    /// A collective of rank `rank` failed in `generation`: the agent asks for a regroup.
+    CollectiveFailed {
+        rank: u32,
+        generation: u64,
+        reason: String,
+    },
 }
 
 impl Request {
     /// Every request's `type`, in declaration order.
-    pub const KINDS: [&'static str; 7] = [
+    pub const KINDS: [&'static str; 8] = [
         "progress",
         "saved",
         "query",
@@ -160,6 +167,7 @@ impl Request {
         "peer_stop",
         "watch",
         "switched",
+        "collective_failed",
     ];
 
     /// This request's `type`.
@@ -172,6 +180,7 @@ impl Request {
             Request::PeerStop { .. } => "peer_stop",
             Request::Watch { .. } => "watch",
             Request::Switched { .. } => "switched",
+            Request::CollectiveFailed { .. } => "collective_failed",
         }
     }
 }
@@ -190,6 +199,8 @@ pub enum Reply {
     Generation {
         generation: u64,
         rank_offset: u32,
+        /// The asking worker's rank in `generation`.
+        rank: u32,
         env: std::collections::BTreeMap<String, String>,
     },
     Error {
@@ -263,6 +274,14 @@ mod tests {
                 },
                 json!({"type":"switched","rank":0,"generation":5}),
             ),
+            (
+                Request::CollectiveFailed {
+                    rank: 1,
+                    generation: 5,
+                    reason: "reset".into(),
+                },
+                json!({"type":"collective_failed","rank":1,"generation":5,"reason":"reset"}),
+            ),
         ];
         for (req, want) in &cases {
             assert_eq!(&serde_json::to_value(req).unwrap(), want);
@@ -288,9 +307,10 @@ mod tests {
                 Reply::Generation {
                     generation: 5,
                     rank_offset: 2,
+                    rank: 3,
                     env: [("WORLD_SIZE".to_string(), "4".to_string())].into(),
                 },
-                json!({"type":"generation","generation":5,"rank_offset":2,"env":{"WORLD_SIZE":"4"}}),
+                json!({"type":"generation","generation":5,"rank_offset":2,"rank":3,"env":{"WORLD_SIZE":"4"}}),
             ),
             (
                 Reply::Error {

@@ -116,8 +116,14 @@ except er.AgentError as e:
 offers = er._inplace._Offers(7, 0)
 offer = offers.take(60)
 offers.stopped = True
-out["offer"] = None if offer is None else [offer[0], offer[1], offer[2]]
+out["offer"] = None if offer is None else [offer[0], offer[1], offer[2], offer[3]]
 er._connection._agent_conn().request(er.protocol._msg_switched(0, offer[0]))
+# A failed collective is reported once per generation (the agent asks etcd to regroup).
+ip = er._inplace.InPlace.__new__(er._inplace.InPlace)
+ip.reported_for, ip.failed = None, RuntimeError("Connection reset by peer")
+os.environ["ELASTIC_GENERATION"] = "8"
+ip._report_failure()
+ip._report_failure()
 out["constants"] = {
     "FORMAT_VERSION": er.protocol.FORMAT_VERSION,
     "MESSAGE_BYTES_MAX": er.protocol.MESSAGE_BYTES_MAX,
@@ -174,12 +180,14 @@ fn reply_to(req: &Request) -> Reply {
         Request::Watch { generation, .. } if *generation != 8 => Reply::Generation {
             generation: 8,
             rank_offset: 0,
+            rank: 0,
             env: [("WORLD_SIZE".to_string(), "1".to_string())].into(),
         },
         // Nothing newer: the agent would hold it; the client asks again.
-        Request::Watch { generation, .. } => Reply::Generation {
+        Request::Watch { generation, rank } => Reply::Generation {
             generation: *generation,
             rank_offset: 0,
+            rank: *rank,
             env: Default::default(),
         },
         _ => Reply::Ok,
@@ -361,11 +369,16 @@ fn what_the_python_client_sends_and_stages_parses_as_the_protocol() {
                 rank: 0,
                 generation: 8,
             },
+            Request::CollectiveFailed {
+                rank: 0,
+                generation: 8,
+                reason: "Connection reset by peer".into(),
+            },
         ]
     );
     assert_eq!(
         got["offer"],
-        serde_json::json!([8, 0, {"WORLD_SIZE": "1"}]),
+        serde_json::json!([8, 0, 0, {"WORLD_SIZE": "1"}]),
         "{got}"
     );
     let mut kinds: Vec<&str> = kinds_seen;
