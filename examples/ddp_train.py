@@ -150,6 +150,9 @@ def main():
             rank, world = er.rank(), er.world_size()
             batch = args.batch_size or er.batch_size(32)
             accum = er.grad_accum_steps()
+            # The new generation's share of the global batch (a fixed global batch changes the
+            # per-worker batch or the accumulation with the world).
+            sampler.batch_size = batch
             if sample_log is not None:
                 os.close(sample_log)
                 sample_log = open_sample_log(args.sample_log, rank)
