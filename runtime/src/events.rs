@@ -280,7 +280,7 @@ mod tests {
                 resume_step: Some(10),
                 prev_last_step: Some(13),
                 frozen_unix_ms: Some(1_796_000_000_000),
-                in_place: false,
+                in_place: true,
             },
             Event::WorkersStarted {
                 generation: 3,
