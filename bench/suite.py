@@ -304,7 +304,11 @@ def table_recovery(rows):
         ok = [r for r in rs if r.get("recovered")]
         ref = med([r for r in by.get(("elastic", sig), []) if r.get("recovered")], "recovery_s")
         s = med(ok, "recovery_s")
-        if system == "elastic":
+        if system == "elastic-in-place" and ok:
+            n_in_place = sum(1 for r in ok if r.get("in_place"))
+            detail = (f"new generation {fmt_s(med(ok, 'new_generation_s'))}; {n_in_place}/{len(ok)} switched in place "
+                      f"(the rest restarted); first step after: {med(ok, 'first_step_after')}")
+        elif system == "elastic":
             detail = (f"new generation {fmt_s(med(ok, 'new_generation_s'))}, workers started "
                       f"{fmt_s(med(ok, 'workers_started_s'))}, cold start of a worker group {fmt_s(med(ok, 'cold_start_s'))}; "
                       f"resumed from step {med(ok, 'resume_step')}") if ok else ""
