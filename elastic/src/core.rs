@@ -424,6 +424,14 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
         }
     };
 
+    // `kept` and then the waiters, up to `max`, frozen at once when that is at least `min`
+    // (a regroup and a restart re-form the job anyway, so every join policy admits waiters).
+    let freeze_with_waiters = |mut members: Vec<String>, reason: Reason| -> Option<Decision> {
+        members.extend(waiting.iter().map(|m| m.node_id.clone()));
+        members.truncate(max);
+        (members.len() as u32 >= cfg.min_nodes).then_some(Decision::Freeze { members, reason })
+    };
+
     if input.current.is_none() {
         if eligible_count < cfg.min_nodes {
             return below_min(eligible_count);
@@ -494,41 +502,33 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
                 },
             };
         }
-        let mut members: Vec<String> = alive
+        let kept: Vec<String> = alive
             .iter()
             .filter(|id| confirmed.contains(id.as_str()))
             .map(|id| id.to_string())
             .collect();
-        members.extend(waiting.iter().map(|m| m.node_id.clone()));
-        members.truncate(max);
-        if members.len() as u32 >= cfg.min_nodes {
-            return Decision::Freeze {
-                members,
-                reason: Reason::CollectiveFailed {
-                    generation: r.generation,
-                    left_out: unconfirmed,
-                },
-            };
+        let reason = Reason::CollectiveFailed {
+            generation: r.generation,
+            left_out: unconfirmed,
+        };
+        if let Some(d) = freeze_with_waiters(kept, reason) {
+            return d;
         }
     }
 
     if input.current.is_some() && input.restart_requested_for == Some(input.current_number) {
         // The same members (but those draining, who leave anyway), plus waiters up to `max`,
         // at once: every node restarts anyway.
-        let mut members: Vec<String> = current
+        let kept: Vec<String> = current
             .iter()
             .filter(|id| matches!(by_id.get(id.as_str()), Some(m) if m.state == MemberState::Alive))
             .cloned()
             .collect();
-        members.extend(waiting.iter().map(|m| m.node_id.clone()));
-        members.truncate(max);
-        if members.len() as u32 >= cfg.min_nodes {
-            return Decision::Freeze {
-                members,
-                reason: Reason::RestartRequested {
-                    generation: input.current_number,
-                },
-            };
+        let reason = Reason::RestartRequested {
+            generation: input.current_number,
+        };
+        if let Some(d) = freeze_with_waiters(kept, reason) {
+            return d;
         }
     }
 
