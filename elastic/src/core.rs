@@ -37,8 +37,10 @@
 //!   member that did not confirm is left out: a node that died, or cannot reach etcd, is not
 //!   waited for until its lease lapses. Nodes left out are `excluded` from the waiters (the
 //!   adapter excludes them for a lease TTL, unless they registered again), so a dead node whose
-//!   lease still runs is not admitted back. Fewer than `min` confirmed: the other rules apply
-//!   (the lease decides). Checked after a loss, before a restart request.
+//!   lease still runs is not admitted back. Fewer than `min` confirmed, or the same members
+//!   again (everyone confirmed and nobody waits: the workers' own failure, for the restart
+//!   path and `--max-restarts` to decide), or a member draining: the other rules apply.
+//!   Checked after a loss, before a restart request.
 //! - **Restart** (a member asked to restart the current generation after its workers failed:
 //!   `restart_requested_for` equals `current_number`): when nothing was lost, freeze a new
 //!   generation at once, without the settle window, with the same members in the same order
@@ -478,9 +480,14 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
         return freeze_settled(members, reason);
     }
 
+    // A member draining is saving with the others: the draining rule keeps the generation.
+    let draining_now = current
+        .iter()
+        .any(|id| matches!(by_id.get(id.as_str()), Some(m) if m.state == MemberState::Draining));
     if let Some(r) = &input.regroup
         && input.current.is_some()
         && r.generation == input.current_number
+        && !draining_now
     {
         let confirmed: BTreeSet<&str> = r.confirmed.iter().map(String::as_str).collect();
         let alive: Vec<&String> = current
@@ -511,8 +518,14 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
             generation: r.generation,
             left_out: unconfirmed,
         };
-        if let Some(d) = freeze_with_waiters(kept, reason) {
-            return d;
+        // Only a change of members re-forms the job: when every member confirmed and nobody
+        // waits, the failure is the workers' own (or a link between live nodes), and the
+        // failure path (restart requests, counted against `--max-restarts`) decides, rather than
+        // a regroup that would form the same generation again and again.
+        match freeze_with_waiters(kept, reason) {
+            Some(Decision::Freeze { members, .. }) if members.as_slice() == current => {}
+            Some(d) => return d,
+            None => {}
         }
     }
 

@@ -254,7 +254,8 @@ impl Driver {
 
     /// Confirms a regroup of the current generation that a member asked for (its workers saw
     /// a collective fail): this node is alive and reaches etcd, so it stays in the job. Once
-    /// per generation, best effort: a node that cannot confirm is left out, as a lost one is.
+    /// per generation once it worked; a node that cannot confirm in the window is left out, as
+    /// a lost one is, and joins the next generation after its exclusion (a lease TTL).
     async fn confirm_regroup(&mut self) {
         let Some(g) = self.view.generation.as_ref() else {
             return;
@@ -266,13 +267,13 @@ impl Driver {
         {
             return;
         }
-        self.confirmed_regroup = Some(number);
         if self
             .view
             .regroups
             .get(&self.cfg.node_id)
             .is_some_and(|r| r.generation == number)
         {
+            self.confirmed_regroup = Some(number);
             return;
         }
         let key = self.keys.regroup(&self.cfg.node_id);
@@ -287,7 +288,12 @@ impl Driver {
         )
         .await
         {
-            Ok(()) => tracing::info!(generation = number, "regroup confirmed"),
+            Ok(()) => {
+                self.confirmed_regroup = Some(number);
+                tracing::info!(generation = number, "regroup confirmed");
+            }
+            // Tried again at the next change of the view; a node that cannot confirm in the
+            // window is left out, as a lost one is.
             Err(e) => tracing::warn!(generation = number, error = %e, "cannot confirm the regroup"),
         }
     }

@@ -123,6 +123,14 @@ impl Driver {
         };
         let decision = core::decide(&core_cfg, &input);
         tracing::debug!(?decision, "decision");
+        if let (Decision::Keep { .. }, Some(until_ms)) = (
+            &decision,
+            self.excluded.values().map(|(_, until)| *until).min(),
+        ) {
+            // Decide again when an exclusion ends: a live node left out may then come back.
+            let at = Instant::now() + Duration::from_millis(until_ms.saturating_sub(now_ms));
+            *next_decision_at = Some(next_decision_at.map_or(at, |n| n.min(at)));
+        }
         match decision {
             Decision::Keep { .. } => Ok(None),
             Decision::Wait { until_ms, reason } => {

@@ -233,10 +233,7 @@ fn check(cfg: &CoreConfig, input: &Input, d: &Decision) -> Result<(), String> {
                 if !newcomers.is_sorted() {
                     return Err("newcomers not in join order".into());
                 }
-                let stale = matches!(
-                    d.reason(),
-                    Reason::StaleResume { .. } | Reason::CollectiveFailed { .. }
-                );
+                let stale = matches!(d.reason(), Reason::StaleResume { .. });
                 if members == cur && !restart_current && !stale {
                     return Err("froze the same generation again".into());
                 }
