@@ -53,13 +53,7 @@ fn fenced_name_at(events: &[Record], name: &str, t: u64) -> bool {
 fn peer_fenced_during_drain(events: &[Record], node: usize, t: u64) -> bool {
     let g = generation_at(events, t);
     let me = format!("node{node}");
-    let drain_end = events
-        .iter()
-        .filter(|e| e.node == me && e.ts_ms >= t)
-        .filter(|e| matches!(e.event, Event::Left { .. } | Event::Exit { .. }))
-        .map(|e| e.ts_ms)
-        .min()
-        .unwrap_or(t);
+    let drain_end = drain_end(events, node, t);
     let members: std::collections::BTreeSet<&str> = events
         .iter()
         .filter_map(|e| match &e.event {
@@ -80,6 +74,36 @@ fn peer_fenced_during_drain(events: &[Record], node: usize, t: u64) -> bool {
                     && (t..=drain_end).contains(&e.ts_ms)
                     && matches!(e.event, Event::Fenced { .. })
             })
+    })
+}
+
+/// When the drain of node `node` that began at `t` ended: the node left the job or exited
+/// (`t` when neither was recorded).
+fn drain_end(events: &[Record], node: usize, t: u64) -> u64 {
+    let me = format!("node{node}");
+    events
+        .iter()
+        .filter(|e| e.node == me && e.ts_ms >= t)
+        .filter(|e| matches!(e.event, Event::Left { .. } | Event::Exit { .. }))
+        .map(|e| e.ts_ms)
+        .min()
+        .unwrap_or(t)
+}
+
+/// Whether another node's agent or worker was killed (or a worker stopped) while node `node`'s
+/// drain that began at `t` was under way: a rank of the generation is gone, so the drained step
+/// cannot be agreed on or saved by every rank, and the drain loses what that crash loses (soak
+/// 20261221: a SIGKILL 0.3 s into a peer's drain).
+fn peer_killed_during_drain(events: &[Record], fired: &[Fired], node: usize, t: u64) -> bool {
+    let end = drain_end(events, node, t);
+    fired.iter().any(|f| {
+        f.skipped.is_none()
+            && f.fault.node != node
+            && matches!(
+                f.fault.kind,
+                FaultKind::SigkillAgent | FaultKind::SigkillWorker | FaultKind::SigstopWorker
+            )
+            && (t..=end).contains(&f.at_unix_ms)
     })
 }
 
@@ -244,6 +268,7 @@ pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]
             k if k.is_preemption()
                 && (fenced_at(events, e.node, e.at_unix_ms)
                     || peer_fenced_during_drain(events, e.node, e.at_unix_ms)
+                    || peer_killed_during_drain(events, fired, e.node, e.at_unix_ms)
                     || cut_off_at(fired, e.node, e.at_unix_ms)
                     || staging_full_anywhere_at(fired, e.at_unix_ms)
                     || group_failed_at(events, fired, e.at_unix_ms)
@@ -739,6 +764,63 @@ mod tests {
         assert!(lost_ok(&evs));
         evs.push(joined(3450, "node1", true));
         assert!(!lost_ok(&evs), "the peer joined again before the signal");
+    }
+
+    /// Soak seed 20261221, run 36: node2 was preempted, and 0.3 s into its drain node0 was
+    /// SIGKILLed: the drained step could not be saved by every rank.
+    #[test]
+    fn a_preemption_whose_peer_is_killed_during_the_drain_may_lose_what_a_crash_loses() {
+        let s = scenario();
+        let mut evs = events();
+        evs.push(joined(500, "node2", false));
+        evs.push(rec(
+            3_900,
+            "node2",
+            Event::Left {
+                step: None,
+                workers_running: false,
+            },
+        ));
+        let with_kill = |kind: FaultKind, node: usize, at_unix_ms: u64| {
+            let mut f = fired(FaultKind::SigtermAgent);
+            f.push(Fired {
+                fault: Fault {
+                    at_ms: 0,
+                    kind,
+                    node,
+                    duration_ms: 0,
+                    delay_ms: 0,
+                },
+                at_unix_ms,
+                skipped: None,
+            });
+            f
+        };
+        let lost_ok = |f: &[Fired]| {
+            lost_work_check(&s, &evs, f)
+                .detail
+                .lines()
+                .all(|l| !l.contains("SigtermAgent"))
+        };
+        assert!(!lost_ok(&fired(FaultKind::SigtermAgent)), "no kill: 3 > 0");
+        for kind in [
+            FaultKind::SigkillAgent,
+            FaultKind::SigkillWorker,
+            FaultKind::SigstopWorker,
+        ] {
+            assert!(
+                lost_ok(&with_kill(kind, 0, 3_800)),
+                "{kind:?} during the drain"
+            );
+            assert!(
+                !lost_ok(&with_kill(kind, 0, 4_000)),
+                "{kind:?} after the drained node left"
+            );
+        }
+        assert!(
+            !lost_ok(&with_kill(FaultKind::EtcdRestart, 0, 3_800)),
+            "not a kill"
+        );
     }
 
     #[test]
