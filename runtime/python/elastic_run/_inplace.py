@@ -87,9 +87,10 @@ _STORE_PREFIX = "elastic_run/inplace"
 
 
 # The TCPStores this process serves, by port: a generation whose master port is one of them
-# uses it again. At most a node's two master ports, plus one per switch of rank 0 to another
-# port.
+# uses it again (the leader alternates a node's two master ports). The oldest is let go past
+# _SERVED_STORES_MAX (rank 0 moved between nodes that many times).
 _served = {}
+_SERVED_STORES_MAX = 4
 
 
 class SwitchError(RuntimeError):
@@ -110,8 +111,7 @@ def _is_collective_error(e):
     if not isinstance(e, RuntimeError):
         return False
     text = str(e)
-    return any(s in text for s in ("gloo", "Connection reset", "Connection closed", "Timed out",
-                                   "NCCL", "ProcessGroup", "peer"))
+    return any(s in text for s in ("gloo", "Connection reset", "Connection closed", "Timed out", "NCCL"))
 
 
 class _Offers:
@@ -220,6 +220,8 @@ def _form_group(timeout_s):
         store = TCPStore(addr, port, w, is_master=(r == 0), timeout=timeout, wait_for_workers=False)
         if r == 0:
             _served[port] = store
+            while len(_served) > _SERVED_STORES_MAX:
+                del _served[next(iter(_served))]
     prefixed = PrefixStore(f"{_STORE_PREFIX}/{g}/", store)
     pg = ProcessGroup(prefixed, r, w)
     if torch.cuda.is_available():
@@ -248,13 +250,11 @@ class InPlace:
         self.state = state
         self.timeout_s = float(timeout_s)
         self.offer_wait_s = float(offer_wait_s)
-        self.step_count = None
         self.failed = None  # the exception (or reason) that failed the current step
         self.abandoned = []
         # Futures of the collectives issued on the current group, until done: one left
         # undone at a switch means the old group has a blocked thread.
         self.works = []
-        self.switches = 0
         self.store, self.group = _form_group(self.timeout_s)
         self.offers = _Offers(generation(), rank())
         self.world = world_size()
@@ -273,10 +273,9 @@ class InPlace:
         state from one ahead. Returns the step (0 for a fresh start)."""
         from ._load import load
 
-        step = load(self.state) or 0
-        self.step_count = self._agree(step)
-        self._started_at(self.step_count)
-        return self.step_count
+        step = self._agree(load(self.state) or 0)
+        self._started_at(step)
+        return step
 
     def switch_pending(self):
         """Whether the loop must switch before its next step: a generation was offered, or the
@@ -304,28 +303,17 @@ class InPlace:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        by_dtype = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for ps in by_dtype.values():
-            chunk, size = [], 0
-            for p in ps + [None]:
-                if p is not None and (not chunk or size + p.grad.numel() * p.grad.element_size() <= GRAD_BUFFER_BYTES):
-                    chunk.append(p)
-                    size += p.grad.numel() * p.grad.element_size()
-                    continue
-                flat = torch.cat([q.grad.reshape(-1) for q in chunk])
-                if self._wait(lambda flat=flat: self.group.allreduce([flat]), flat) is None:
-                    self.failed = self.failed or "a gradient all-reduce did not complete"
-                    return False
-                flat.div_(self.world)
-                offset = 0
-                for q in chunk:
-                    n = q.grad.numel()
-                    q.grad.copy_(flat[offset:offset + n].view_as(q.grad))
-                    offset += n
-                if p is not None:
-                    chunk, size = [p], p.grad.numel() * p.grad.element_size()
+        for chunk in _grad_buffers(params):
+            flat = torch.cat([p.grad.reshape(-1) for p in chunk])
+            if self._wait(lambda flat=flat: self.group.allreduce([flat]), flat) is None:
+                self.failed = self.failed or "a gradient all-reduce did not complete"
+                return False
+            flat.div_(self.world)
+            offset = 0
+            for p in chunk:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
         return True
 
     def commit(self):
@@ -399,15 +387,14 @@ class InPlace:
 
         self.world = world_size()
         self.failed = None
-        self.step_count = self._agree(step)
-        self._started_at(self.step_count)
-        self.switches += 1
+        step = self._agree(step)
+        self._started_at(step)
         _state.checkpoint_at = None
         ms = (time.monotonic() - started) * 1000
         if new_rank == 0:
-            print(f"elastic_run: switched to generation {generation} in place at step {self.step_count} "
+            print(f"elastic_run: switched to generation {generation} in place at step {step} "
                   f"(world {self.world}) in {ms:.0f} ms", flush=True)
-        return self.step_count
+        return step
 
     def close(self):
         """Stops watching for generations and shuts the group down, at the end of training (as
@@ -611,6 +598,21 @@ class _StepBlock:
             self.ip.failed = e
             return True
         return False
+
+
+def _grad_buffers(params):
+    """``params`` (with gradients) in runs of one dtype and at most ``GRAD_BUFFER_BYTES`` of
+    gradient each, in order; a parameter larger than that is a run of its own."""
+    run, size = [], 0
+    for p in params:
+        n = p.grad.numel() * p.grad.element_size()
+        if run and (p.grad.dtype != run[0].grad.dtype or size + n > GRAD_BUFFER_BYTES):
+            yield run
+            run, size = [], 0
+        run.append(p)
+        size += n
+    if run:
+        yield run
 
 
 def _bcast_opts(root):
