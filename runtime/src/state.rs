@@ -44,20 +44,8 @@ pub struct Received {
     pub world_size: u32,
 }
 
-/// The most of a worker's reason for a failed collective that the agent keeps.
-const COLLECTIVE_FAILURE_REASON_BYTES_MAX: usize = 512;
-
-/// A generation offered to the running workers, to switch to in place (recovery in place).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InPlaceOffer {
-    pub generation: u64,
-    pub world_size: u32,
-    /// This node's global ranks in it.
-    pub ranks: Range<u32>,
-    /// The environment variables that change with the generation, as a new worker of it
-    /// would get them (the `generation` reply's `env`).
-    pub env: std::collections::BTreeMap<String, String>,
-}
+mod in_place;
+pub use in_place::InPlaceOffer;
 
 /// What the agent tells workers, and what it learned from them. Shared between the socket
 /// server, the supervisor (watchdog) and the agent loop. The lock is never held across an
@@ -97,16 +85,8 @@ struct Inner {
     resume: Option<ResumePoint>,
     /// Set once the node has left the job: every later `saved` is refused with it.
     left: Option<String>,
-    /// Local ranks (index from this group's first rank) that watch for generations to switch
-    /// to in place: when all of them do, a new generation is offered instead of a restart.
-    watching: std::collections::BTreeSet<u32>,
-    /// The generation offered in place, and the local ranks that switched to it.
-    offer: Option<InPlaceOffer>,
-    switched: std::collections::BTreeSet<u32>,
-    /// The highest step reported before the last switch in place completed.
-    step_before_switch: Option<u64>,
-    /// A collective failure a worker reported for the running generation, not yet acted on.
-    collective_failed: Option<(u64, String)>,
+    /// Recovery in place: who watches, the offer, the switch under way.
+    in_place: in_place::InPlace,
     /// Why the store refused a step this node staged (a manifest over the read limit...):
     /// the next `saved` is answered with it, so the worker's save fails with the reason
     /// instead of the refusal staying in the agent's log.
@@ -131,11 +111,7 @@ impl AgentState {
                 staging_root,
                 resume: None,
                 left: None,
-                watching: Default::default(),
-                offer: None,
-                switched: Default::default(),
-                step_before_switch: None,
-                collective_failed: None,
+                in_place: Default::default(),
                 refused: None,
             }),
             in_place_changes: tokio::sync::watch::Sender::new(0),
@@ -163,66 +139,11 @@ impl AgentState {
         s.peer_stop = None;
         s.last_saves.clear();
         s.left = None;
-        s.watching.clear();
-        s.offer = None;
-        s.switched.clear();
-        s.collective_failed = None;
+        s.in_place = Default::default();
         drop(s);
-        self.in_place_changes.send_modify(|v| *v += 1);
+        self.in_place_changed();
     }
 
-    /// Whether every worker of the running group watches for generations to switch to in
-    /// place (and no switch is under way).
-    pub fn workers_switch_in_place(&self) -> bool {
-        let s = self.lock();
-        !s.ranks.is_empty() && s.watching.len() == s.ranks.len() && s.offer.is_none()
-    }
-
-    /// Whether any worker of the running group watches for generations to switch to.
-    pub fn watching_any(&self) -> bool {
-        !self.lock().watching.is_empty()
-    }
-
-    /// Offers `offer` to the running workers: their held `watch` requests are answered with
-    /// it. A newer offer replaces an older one that not every rank switched to yet.
-    pub fn offer_in_place(&self, offer: InPlaceOffer) {
-        let mut s = self.lock();
-        s.offer = Some(offer);
-        s.switched.clear();
-        drop(s);
-        self.in_place_changes.send_modify(|v| *v += 1);
-    }
-
-    /// The offer made, while not every local rank switched to it yet.
-    pub fn pending_offer(&self) -> Option<u64> {
-        self.lock().offer.as_ref().map(|o| o.generation)
-    }
-
-    /// Takes back an offer the workers did not switch to in time (the agent restarts them
-    /// instead); returns whether one was pending.
-    pub fn withdraw_offer(&self) -> bool {
-        let mut s = self.lock();
-        let had = s.offer.take().is_some();
-        s.switched.clear();
-        drop(s);
-        self.in_place_changes.send_modify(|v| *v += 1);
-        had
-    }
-
-    /// A collective failure a worker reported (the generation, and why), once.
-    pub fn take_collective_failure(&self) -> Option<(u64, String)> {
-        self.lock().collective_failed.take()
-    }
-
-    /// The highest step the workers reported before their last switch in place.
-    pub fn step_before_switch(&self) -> Option<u64> {
-        self.lock().step_before_switch
-    }
-
-    /// Resolves when an offer is made or withdrawn, or a switch completes.
-    pub fn in_place_changes(&self) -> tokio::sync::watch::Receiver<u64> {
-        self.in_place_changes.subscribe()
-    }
     /// The node left the job: every later `saved` is answered with `why`, and nothing more is
     /// handed to the committer.
     pub fn refuse_saves(&self, why: String) {
@@ -406,56 +327,11 @@ impl AgentState {
                 s.peer_stop = Some(s.peer_stop.map_or(step, |p| p.max(step)));
                 Ok((Reply::Ok, None))
             }
-            Request::Watch { rank, generation } => {
-                // The rank is the worker's rank in the generation it says it runs: the offered
-                // one once it switched, else the node's current one.
-                let range = match &s.offer {
-                    Some(o) if o.generation == generation => o.ranks.clone(),
-                    _ => s.ranks.clone(),
-                };
-                check_rank(&range, rank)?;
-                let local = rank - range.start;
-                s.watching.insert(local);
-                Ok((watch_reply(&s, generation, local), None))
-            }
+            Request::Watch { rank, generation } => Ok((s.watch(rank, generation)?, None)),
             Request::Switched { rank, generation } => {
-                if s.generation == generation && s.offer.is_none() {
-                    // Said again after the switch completed.
-                    check_rank(&s.ranks, rank)?;
-                    return Ok((Reply::Ok, None));
-                }
-                let Some(o) = &s.offer else {
-                    return Err(format!(
-                        "no switch to generation {generation} was offered (the node runs generation {})",
-                        s.generation
-                    ));
-                };
-                if o.generation != generation {
-                    return Err(format!(
-                        "generation {generation} is not the one offered ({})",
-                        o.generation
-                    ));
-                }
-                check_rank(&o.ranks, rank)?;
-                let (local, all) = (rank - o.ranks.start, o.ranks.len());
-                s.switched.insert(local);
-                if s.switched.len() == all {
-                    let o = s.offer.take().expect("checked");
-                    s.generation = o.generation;
-                    s.world_size = o.world_size;
-                    s.ranks = o.ranks;
-                    // Parts from now on are the new group's: half-reported old steps are
-                    // forgotten (they can never be committed).
-                    s.epoch += 1;
-                    s.switched.clear();
-                    s.last_saves.clear();
-                    s.peer_stop = None;
-                    // The new generation's steps are reported afresh (its first step).
-                    s.step_before_switch = s.last_step.take();
-                    s.collective_failed = None;
-                    s.last_progress = Some(Instant::now());
+                if s.switched(rank, generation)? {
                     drop(s);
-                    self.in_place_changes.send_modify(|v| *v += 1);
+                    self.in_place_changed();
                 }
                 Ok((Reply::Ok, None))
             }
@@ -464,16 +340,9 @@ impl AgentState {
                 generation,
                 reason,
             } => {
-                check_rank(&s.ranks, rank)?;
-                if generation == s.generation && s.collective_failed.is_none() {
-                    let mut end = reason.len().min(COLLECTIVE_FAILURE_REASON_BYTES_MAX);
-                    while !reason.is_char_boundary(end) {
-                        end -= 1;
-                    }
-                    s.collective_failed =
-                        Some((generation, format!("rank {rank}: {}", &reason[..end])));
+                if s.collective_failed(rank, generation, &reason)? {
                     drop(s);
-                    self.in_place_changes.send_modify(|v| *v += 1);
+                    self.in_place_changed();
                 }
                 Ok((Reply::Ok, None))
             }
@@ -485,33 +354,6 @@ impl AgentState {
                 },
                 None,
             )),
-        }
-    }
-}
-
-/// The answer to a `watch` from local worker `local` running `generation`: the offer when there
-/// is one for another generation (with the worker's rank in it), else `generation` itself with
-/// no env (nothing new; the socket holds such an answer until something changes or the hold
-/// ends).
-fn watch_reply(s: &Inner, generation: u64, local: u32) -> Reply {
-    match &s.offer {
-        Some(o) if o.generation != generation => Reply::Generation {
-            generation: o.generation,
-            rank_offset: o.ranks.start,
-            rank: o.ranks.start + local,
-            env: o.env.clone(),
-        },
-        _ => {
-            let start = match &s.offer {
-                Some(o) => o.ranks.start,
-                None => s.ranks.start,
-            };
-            Reply::Generation {
-                generation,
-                rank_offset: start,
-                rank: start + local,
-                env: Default::default(),
-            }
         }
     }
 }
@@ -561,153 +403,6 @@ impl Source for AgentState {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_generation_is_offered_in_place_once_every_rank_watches_and_taken_when_all_switched() {
-        let state = AgentState::new(PathBuf::from("/staging"));
-        state.begin_group(2, 4, 2..4);
-        let reply = |r: Request| state.handle(r).map(|(reply, _)| reply);
-        let progress = |rank, step| Request::Progress { rank, step };
-        let nothing_new = |generation, rank_offset, rank| Reply::Generation {
-            generation,
-            rank_offset,
-            rank,
-            env: Default::default(),
-        };
-        // Nothing offered: a watch hears its own generation back.
-        assert_eq!(
-            reply(Request::Watch {
-                rank: 2,
-                generation: 2
-            }),
-            Ok(nothing_new(2, 2, 2))
-        );
-        assert!(!state.workers_switch_in_place(), "rank 3 does not watch");
-        assert!(
-            reply(Request::Watch {
-                rank: 0,
-                generation: 2
-            })
-            .is_err(),
-            "a foreign rank"
-        );
-        reply(Request::Watch {
-            rank: 3,
-            generation: 2,
-        })
-        .unwrap();
-        assert!(state.workers_switch_in_place());
-        // Generation 3 puts this node's ranks at 0..2 of a world of 2.
-        let env: std::collections::BTreeMap<String, String> =
-            [("WORLD_SIZE".to_string(), "2".to_string())].into();
-        let mut changes = state.in_place_changes();
-        state.offer_in_place(InPlaceOffer {
-            generation: 3,
-            world_size: 2,
-            ranks: 0..2,
-            env: env.clone(),
-        });
-        assert!(changes.has_changed().unwrap());
-        changes.mark_unchanged();
-        assert_eq!(state.pending_offer(), Some(3));
-        let offer = Reply::Generation {
-            generation: 3,
-            rank_offset: 0,
-            rank: 1,
-            env,
-        };
-        assert_eq!(
-            reply(Request::Watch {
-                rank: 3,
-                generation: 2
-            }),
-            Ok(offer.clone())
-        );
-        // A rank that switched watches with its new rank and hears nothing new.
-        assert_eq!(
-            reply(Request::Watch {
-                rank: 1,
-                generation: 3
-            }),
-            Ok(nothing_new(3, 0, 1))
-        );
-        assert!(
-            reply(Request::Watch {
-                rank: 3,
-                generation: 3
-            })
-            .is_err(),
-            "rank 3 is not in generation 3"
-        );
-        assert!(
-            reply(Request::Switched {
-                rank: 1,
-                generation: 4
-            })
-            .is_err(),
-            "not the generation offered"
-        );
-        assert!(
-            reply(Request::Switched {
-                rank: 3,
-                generation: 3
-            })
-            .is_err(),
-            "a rank outside the offer"
-        );
-        state.handle(progress(2, 17)).unwrap();
-        reply(Request::Switched {
-            rank: 0,
-            generation: 3,
-        })
-        .unwrap();
-        // Half switched: the node still runs generation 2, and old-rank saves are its own.
-        assert_eq!((state.generation(), state.world_size()), (2, 4));
-        assert!(!changes.has_changed().unwrap());
-        reply(Request::Switched {
-            rank: 1,
-            generation: 3,
-        })
-        .unwrap();
-        assert!(changes.has_changed().unwrap());
-        assert_eq!((state.generation(), state.world_size()), (3, 2));
-        assert_eq!(state.pending_offer(), None);
-        assert_eq!(state.step_before_switch(), Some(17));
-        assert_eq!(
-            state.last_step(),
-            None,
-            "the new generation's first step is still to come"
-        );
-        assert!(state.handle(progress(2, 18)).is_err(), "old ranks are gone");
-        state.handle(progress(1, 18)).unwrap();
-        // Said again: fine. A withdrawn offer is no longer answered.
-        reply(Request::Switched {
-            rank: 1,
-            generation: 3,
-        })
-        .unwrap();
-        state.offer_in_place(InPlaceOffer {
-            generation: 4,
-            world_size: 4,
-            ranks: 2..4,
-            env: [("WORLD_SIZE".to_string(), "4".to_string())].into(),
-        });
-        assert!(state.withdraw_offer());
-        assert_eq!(
-            reply(Request::Watch {
-                rank: 0,
-                generation: 3
-            }),
-            Ok(nothing_new(3, 0, 0))
-        );
-        assert!(
-            reply(Request::Switched {
-                rank: 2,
-                generation: 4
-            })
-            .is_err()
-        );
-    }
 
     #[test]
     fn a_peer_stop_is_kept_for_the_group_and_checked_for_rank() {

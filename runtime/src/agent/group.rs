@@ -217,27 +217,11 @@ impl Agent {
                             Err(_) => tracing::warn!(timeout_ms = REGROUP_REQUEST_MS, "asking to regroup timed out; the lease decides"),
                         }
                     }
-                    let done = switching.as_ref().is_some_and(|sw| state.generation() == sw.view.generation);
-                    if let Some(sw) = switching.take_if(|_| done) {
-                        // Every local worker left its old process group for the new one.
-                        if let Membership::Etcd(m) = &mut *membership
-                            && let Some(h) = m.handle.as_mut()
-                        {
-                            h.mark_joined(&sw.generation);
-                        }
-                        let reached = state.step_before_switch();
-                        *last_step_reached = reached.or(*last_step_reached);
-                        view = sw.view;
-                        view.resume = None;
-                        running_gen = Some(sw.generation);
-                        tracing::info!(generation = view.generation, world_size = view.world_size, ms = sw.offered.elapsed().as_millis() as u64, "the workers switched to the new generation in place");
-                        let mut shown = view.clone();
-                        shown.resume = reached.map(|step| crate::worker_env::ResumePoint { step, dir: Default::default() });
-                        super::emit_generation(node, &shown, running_gen.as_deref(), *last_step_reached, true);
-                        // The next step reported is the new generation's first.
+                    if let Some(sw) = switching.take_if(|sw| sw.done(state)) {
+                        (view, running_gen) = complete_switch(node, membership, sw, last_step_reached);
+                        // The next step reported is the new generation's first, and what etcd
+                        // showed meanwhile is judged against the new generation.
                         first_step_seen = false;
-                        state.metrics.generations_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        // What etcd showed meanwhile is judged against the new generation.
                         if let Some(rx) = snap_rx.as_mut() {
                             rx.mark_changed();
                         }
@@ -269,14 +253,14 @@ impl Agent {
                                 // Offered already; the workers are switching.
                                 continue;
                             }
-                            if switching.as_ref().is_some_and(|sw| state.generation() == sw.view.generation) {
+                            if let Some(sw) = switching.take_if(|sw| sw.done(state)) {
                                 // The workers finished the switch already: the node runs that
-                                // generation before it judges this one (the completion's
-                                // branch runs first, then this view again).
+                                // generation, then judges this view against it.
+                                (view, running_gen) = complete_switch(node, membership, sw, last_step_reached);
+                                first_step_seen = false;
                                 if let Some(rx) = snap_rx.as_mut() {
                                     rx.mark_changed();
                                 }
-                                tokio::task::yield_now().await;
                                 continue;
                             }
                             if let Some(sw) = offer_in_place(node, newest, switching.is_some()) {
@@ -359,6 +343,49 @@ impl Agent {
             generation: running_gen,
         })
     }
+}
+
+impl Switch {
+    /// Whether every local worker switched to this generation.
+    fn done(&self, state: &crate::state::AgentState) -> bool {
+        state.generation() == self.view.generation
+    }
+}
+
+/// Every local worker left its old process group for `sw`'s: the node runs that generation
+/// from now on (etcd's handle, the events, the metrics). Returns its view and record.
+fn complete_switch(
+    node: &super::Node,
+    membership: &mut Membership,
+    sw: Switch,
+    last_step_reached: &mut Option<u64>,
+) -> (GenerationView, Option<Arc<Generation>>) {
+    if let Membership::Etcd(m) = membership
+        && let Some(h) = m.handle.as_mut()
+    {
+        h.mark_joined(&sw.generation);
+    }
+    let reached = node.state.step_before_switch();
+    *last_step_reached = reached.or(*last_step_reached);
+    let mut view = sw.view;
+    view.resume = None;
+    tracing::info!(
+        generation = view.generation,
+        world_size = view.world_size,
+        ms = sw.offered.elapsed().as_millis() as u64,
+        "the workers switched to the new generation in place"
+    );
+    let mut shown = view.clone();
+    shown.resume = reached.map(|step| crate::worker_env::ResumePoint {
+        step,
+        dir: Default::default(),
+    });
+    super::emit_generation(node, &shown, Some(&sw.generation), *last_step_reached, true);
+    node.state
+        .metrics
+        .generations_total
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    (view, Some(sw.generation))
 }
 
 /// Offers `newest` to the running workers in place when they can take it: this node is in it
