@@ -13,6 +13,7 @@
 //!   fault-free reference;
 //! - `job.rs` again: no process left behind, and an event log that reads.
 
+mod drain;
 mod effects;
 mod faults;
 mod job;
