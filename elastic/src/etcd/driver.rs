@@ -43,6 +43,9 @@ pub(crate) struct Driver {
     pub known_commit: Arc<AtomicU64>,
     /// The generation whose regroup this node confirmed last.
     pub confirmed_regroup: Option<u64>,
+    /// Not leading: the generation whose regroup waits on the leader's confirmation, the
+    /// leader's lease, and since when (`now_unix_ms`); see `regroup.rs`.
+    pub leader_silent_since: Option<(u64, i64, u64)>,
     /// Leading: the generation a regroup was first seen for, and when (`now_unix_ms`).
     pub regroup_since: Option<(u64, u64)>,
     /// Leading: members left out of a regroup, with the registration revision they had and
@@ -247,54 +250,9 @@ impl Driver {
         }
         self.confirm_regroup().await;
         if !leading {
+            self.depose_silent_leader(next_decision_at).await;
             return Ok(None);
         }
         self.lead(tracker, next_decision_at).await
-    }
-
-    /// Confirms a regroup of the current generation that a member asked for (its workers saw
-    /// a collective fail): this node is alive and reaches etcd, so it stays in the job. Once
-    /// per generation once it worked; a node that cannot confirm in the window is left out, as
-    /// a lost one is, and joins the next generation after its exclusion (a lease TTL).
-    async fn confirm_regroup(&mut self) {
-        let Some(g) = self.view.generation.as_ref() else {
-            return;
-        };
-        let number = g.number;
-        if g.member(&self.cfg.node_id).is_none()
-            || self.confirmed_regroup == Some(number)
-            || !self.view.regroups.values().any(|r| r.generation == number)
-        {
-            return;
-        }
-        if self
-            .view
-            .regroups
-            .get(&self.cfg.node_id)
-            .is_some_and(|r| r.generation == number)
-        {
-            self.confirmed_regroup = Some(number);
-            return;
-        }
-        let key = self.keys.regroup(&self.cfg.node_id);
-        match ops::put_member_request(
-            &mut self.client,
-            &key,
-            &self.cfg.node_id,
-            self.lease_id,
-            number,
-            "confirmed",
-            self.request_timeout_ms,
-        )
-        .await
-        {
-            Ok(()) => {
-                self.confirmed_regroup = Some(number);
-                tracing::info!(generation = number, "regroup confirmed");
-            }
-            // Tried again at the next change of the view; a node that cannot confirm in the
-            // window is left out, as a lost one is.
-            Err(e) => tracing::warn!(generation = number, error = %e, "cannot confirm the regroup"),
-        }
     }
 }

@@ -147,6 +147,7 @@ impl Rendezvous {
                 leading_since: None,
                 known_commit: known_commit.clone(),
                 confirmed_regroup: None,
+                leader_silent_since: None,
                 regroup_since: None,
                 excluded: Default::default(),
             };

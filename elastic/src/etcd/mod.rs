@@ -11,6 +11,8 @@
 //! - `driver.rs`: the per-handle task (second background task): read, watch, publish the
 //!   snapshot, campaign, re-sync.
 //! - `view.rs`: the job as the driver sees it, parsed from the keys.
+//! - `regroup.rs`: a member's side of a regroup: confirming it, and deposing a leader that
+//!   does not confirm within the window.
 //! - `leader.rs`: the leader's decisions: generation freezing, the waiting notice, failing the
 //!   job.
 //! - `epoch.rs`: the leader's upkeep of `ctl/epoch` on its retention lease.
@@ -50,6 +52,7 @@ mod join;
 mod leader;
 mod lease;
 mod ops;
+mod regroup;
 mod state;
 mod status;
 mod view;

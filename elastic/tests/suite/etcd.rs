@@ -368,6 +368,59 @@ async fn killed_leader_is_replaced_and_survivors_reform() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_that_does_not_confirm_a_regroup_is_deposed_without_waiting_for_its_lease() {
+    let _g = serial().await;
+    let etcd = services::etcd().unwrap();
+    let ep = etcd.endpoint();
+    // A lease far longer than the test allows: only the deposition can re-form in time.
+    let leader_ttl_ms = 60_000;
+    let mut child = ChildMember::spawn(&ep, "depose", "boss", leader_ttl_ms);
+    child.wait_line("REGISTERED", Duration::from_secs(20));
+    let mut a = Rendezvous::join(cfg(&ep, "depose", "a")).await.unwrap();
+    let mut b = Rendezvous::join(cfg(&ep, "depose", "b")).await.unwrap();
+    until(&a, 15_000, "boss leading", |s| {
+        s.leader.as_deref() == Some("boss")
+    })
+    .await;
+    let mut g = next(&mut a, 10_000).await;
+    while g.members.len() < 3 {
+        g = next(&mut a, 10_000).await;
+    }
+    child.wait_line(&format!("GENERATION {}", g.number), Duration::from_secs(10));
+    child.sigkill();
+    // The survivors' workers saw a collective fail: b asks, a confirms, the dead leader cannot.
+    let t0 = Instant::now();
+    b.request_regroup(g.number, "collective failed")
+        .await
+        .unwrap();
+    let g2 = next(&mut a, 10_000).await;
+    let reformed = t0.elapsed();
+    assert_eq!(ids(&g2), ["a", "b"], "the silent leader is left out");
+    assert!(g2.number > g.number);
+    let mut gb = next(&mut b, 5_000).await;
+    while gb.number < g2.number {
+        gb = next(&mut b, 5_000).await;
+    }
+    assert_eq!(
+        gb.number, g2.number,
+        "both survivors are in the new generation"
+    );
+    let leader = a.subscribe().borrow().leader.clone();
+    assert!(
+        matches!(leader.as_deref(), Some("a" | "b")),
+        "a survivor leads: {leader:?}"
+    );
+    println!(
+        "leader SIGKILL (its TTL {leader_ttl_ms} ms, confirmation window 500 ms): survivors \
+         re-formed {} ms after the regroup was asked for",
+        reformed.as_millis()
+    );
+    assert!(reformed < Duration::from_secs(8), "{reformed:?}");
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deposed_leader_cannot_write_a_generation() {
     let _g = serial().await;
     let etcd = services::etcd().unwrap();
