@@ -645,7 +645,15 @@ impl Tracker {
         Self::default()
     }
 
-    pub fn observe(&mut self, now_ms: u64, members: &[Observed], min_nodes: u32) -> Timing {
+    /// `excluded`: members left out of a regroup lately ([`Input::excluded`]); like draining
+    /// ones, they do not count toward `min_nodes`.
+    pub fn observe(
+        &mut self,
+        now_ms: u64,
+        members: &[Observed],
+        excluded: &[String],
+        min_nodes: u32,
+    ) -> Timing {
         let view: BTreeMap<String, MemberState> = members
             .iter()
             .map(|m| (m.node_id.clone(), m.state))
@@ -656,7 +664,7 @@ impl Tracker {
         }
         let eligible = members
             .iter()
-            .filter(|m| m.state == MemberState::Alive)
+            .filter(|m| m.state == MemberState::Alive && !excluded.contains(&m.node_id))
             .count() as u32;
         if eligible < min_nodes {
             self.timing.below_min_since_ms.get_or_insert(now_ms);

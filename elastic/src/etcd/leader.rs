@@ -97,7 +97,8 @@ impl Driver {
             })
             .collect();
         let core_cfg = self.cfg.core_config();
-        let timing = tracker.observe(now_ms, &observed, core_cfg.min_nodes);
+        let excluded = self.excluded_input(now_ms);
+        let timing = tracker.observe(now_ms, &observed, &excluded, core_cfg.min_nodes);
         let current_number = self.view.generation.as_ref().map_or(0, |g| g.number);
         let input = core::Input {
             now_ms,
@@ -119,7 +120,7 @@ impl Driver {
                 .filter(|g| *g <= current_number)
                 .max(),
             regroup: self.regroup_input(current_number, now_ms),
-            excluded: self.excluded_input(now_ms),
+            excluded,
         };
         let decision = core::decide(&core_cfg, &input);
         tracing::debug!(?decision, "decision");

@@ -179,13 +179,13 @@ fn obs(id: &str, state: MemberState) -> Observed {
 fn tracker_moves_changed_at_only_on_membership_changes() {
     let mut t = Tracker::new();
     let ab = [obs("a", MemberState::Alive), obs("b", MemberState::Alive)];
-    assert_eq!(t.observe(100, &ab, 2).changed_at_ms, 100);
-    assert_eq!(t.observe(200, &ab, 2).changed_at_ms, 100, "same view");
+    assert_eq!(t.observe(100, &ab, &[], 2).changed_at_ms, 100);
+    assert_eq!(t.observe(200, &ab, &[], 2).changed_at_ms, 100, "same view");
     let ab_drain = [
         obs("a", MemberState::Alive),
         obs("b", MemberState::Draining),
     ];
-    let timing = t.observe(300, &ab_drain, 2);
+    let timing = t.observe(300, &ab_drain, &[], 2);
     assert_eq!(timing.changed_at_ms, 300, "a state change is a change");
     assert_eq!(
         timing.below_min_since_ms,
@@ -193,11 +193,20 @@ fn tracker_moves_changed_at_only_on_membership_changes() {
         "draining is not eligible"
     );
     assert_eq!(
-        t.observe(400, &ab_drain, 2).below_min_since_ms,
+        t.observe(400, &ab_drain, &[], 2).below_min_since_ms,
         Some(300),
         "keeps the first time"
     );
-    let timing = t.observe(500, &ab, 2);
+    let timing = t.observe(500, &ab, &[], 2);
     assert_eq!(timing.below_min_since_ms, None, "back at min");
     assert_eq!(timing.changed_at_ms, 500);
+    // A member left out of a regroup is still registered until its lease lapses, but it is
+    // not eligible: the time below min starts when it is left out.
+    let timing = t.observe(600, &ab, &["b".to_string()], 2);
+    assert_eq!(
+        timing.below_min_since_ms,
+        Some(600),
+        "excluded is not eligible"
+    );
+    assert_eq!(timing.changed_at_ms, 500, "the same members");
 }
