@@ -20,6 +20,7 @@ pub(super) fn could_not_save(
     detection_ms: u64,
 ) -> bool {
     fenced_at(events, node, t)
+        || fenced_during_drain(events, node, t)
         || peer_fenced_during_drain(events, node, t)
         || peer_killed_during_drain(events, fired, node, t)
         || cut_off_at(fired, node, t)
@@ -54,6 +55,18 @@ fn fenced_name_at(events: &[Record], name: &str, t: u64) -> bool {
         (Some(_), None) => true,
         _ => false,
     }
+}
+
+/// Whether node `node` itself was fenced while its drain that began at `t` was under way
+/// (before it left the job or exited): its lease lapsed (etcd restarting, say), so it had to
+/// stop its workers and could no longer commit the drained step. Soak 20261222, run 78: etcd
+/// restarted, node0's notice came 1.1 s later, and its lease lapsed 96 ms into the drain.
+fn fenced_during_drain(events: &[Record], node: usize, t: u64) -> bool {
+    let me = format!("node{node}");
+    let end = drain_end(events, node, t);
+    events.iter().any(|e| {
+        e.node == me && (t..=end).contains(&e.ts_ms) && matches!(e.event, Event::Fenced { .. })
+    })
 }
 
 /// Whether a peer of `node` in the generation current at `t` was fenced at `t`, or was fenced

@@ -600,6 +600,40 @@ mod tests {
         assert!(!lost_ok(&evs), "the peer joined again before the signal");
     }
 
+    /// Soak seed 20261222, run 78: etcd restarted, node0's notice came 1.1 s later, and its own
+    /// lease lapsed 96 ms into the drain: a fenced node stops its workers and cannot commit.
+    #[test]
+    fn a_preemption_whose_own_lease_lapses_during_the_drain_may_lose_what_a_crash_loses() {
+        let s = scenario();
+        let lost_ok = |evs: &[Record]| lost_work_check(&s, evs, &fired(FaultKind::SigtermAgent)).ok;
+        let mut evs = events();
+        evs.push(joined(500, "node2", false));
+        for e in evs.iter_mut() {
+            if let Event::Generation {
+                generation: 1,
+                members,
+                ..
+            } = &mut e.event
+            {
+                *members = vec!["node0".into(), "node1".into(), "node2".into()];
+            }
+        }
+        evs.push(rec(
+            3_640,
+            "node2",
+            Event::Left {
+                step: Some(60),
+                workers_running: false,
+            },
+        ));
+        assert!(!lost_ok(&evs), "no fence: 3 > 0");
+        let mut after = evs.clone();
+        after.push(fenced(3_700, "node2"));
+        assert!(!lost_ok(&after), "fenced after it left");
+        evs.push(fenced(3_596, "node2"));
+        assert!(lost_ok(&evs), "fenced while its drain was under way");
+    }
+
     /// Soak seed 20261221, run 36: node2 was preempted, and 0.3 s into its drain node0 was
     /// SIGKILLed: the drained step could not be saved by every rank.
     #[test]
