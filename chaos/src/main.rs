@@ -47,6 +47,10 @@ enum Cmd {
         /// loopback: none, netns: half, and fail if they cannot be made.
         #[arg(long, value_enum, default_value = "auto")]
         network: SoakNetwork,
+        /// Run every drawn scenario's nodes with `--in-place`: the workers switch to a new
+        /// generation without a restart where they can.
+        #[arg(long)]
+        in_place: bool,
     },
 }
 
@@ -190,6 +194,7 @@ fn main() -> ExitCode {
             out,
             seed,
             network,
+            in_place,
         } => {
             let netns_ok = match network {
                 SoakNetwork::Loopback => false,
@@ -217,10 +222,19 @@ fn main() -> ExitCode {
             let mut seed = seed.unwrap_or_else(random_seed);
             let mut n = 0;
             while std::time::Instant::now() < until {
-                let s = random_scenario(seed, netns_ok);
+                let mut s = random_scenario(seed, netns_ok);
+                if in_place {
+                    s.name = "soak-in-place".into();
+                    s.args.push("--in-place".into());
+                }
                 println!(
-                    "soak run {n}: seed {seed}: {} node(s) x {}, {} scaling, {:?} store, {:?}",
-                    s.nodes, s.nproc_per_node, s.lr_scaling, s.store, s.network
+                    "soak run {n}: seed {seed}: {} node(s) x {}, {} scaling, {:?} store, {:?}{}",
+                    s.nodes,
+                    s.nproc_per_node,
+                    s.lr_scaling,
+                    s.store,
+                    s.network,
+                    if in_place { ", in place" } else { "" }
                 );
                 let dir = out.join(format!("run-{n}-{seed}"));
                 match rt.block_on(harness::run(&s, seed, &tools, &dir)) {
