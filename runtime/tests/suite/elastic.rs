@@ -509,8 +509,15 @@ fn sigterm_of_one_agent_commits_its_emergency_checkpoint_and_no_step_is_lost() {
     );
     let (code_c, _out_c, err_c) = c.finish(LONG);
     assert_eq!(code_c, 0, "the preempted agent drains cleanly:\n{err_c}");
-    assert!(job.committed_steps().contains(&stopped), "{err_c}");
     let events = job.events();
+    // From the events, not a listing: while c's workers linger, a and b train on and
+    // retention may already have retired the drained step.
+    assert!(
+        events
+            .iter()
+            .any(|e| is(e, "checkpoint_committed") && e["step"].as_u64() == Some(stopped)),
+        "the drained step {stopped} was committed:\n{err_c}"
+    );
     let of_c = |name: &str| {
         events
             .iter()
