@@ -323,3 +323,20 @@ impl ScalingConfig {
         }
     }
 }
+
+/// A decision for unit tests that need a well-formed [`Generation`](crate::record::Generation):
+/// no scaling, one process.
+#[cfg(test)]
+pub(crate) fn decision_for_tests() -> ScalingDecision {
+    ScalingConfig {
+        mode: ScalingMode::None,
+        per_worker_batch: Some(1),
+        base_world_size: 1,
+        base_lr: Some(1.0),
+        global_batch: None,
+        on_indivisible: OnIndivisible::Nearest,
+        warmup_steps: None,
+    }
+    .decide(1, None)
+    .expect("a valid config")
+}

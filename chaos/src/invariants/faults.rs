@@ -554,14 +554,9 @@ mod tests {
         assert!(!lost_work_check(&s, &early, &f).ok);
     }
 
-    /// Soak seed 20261216, run 78: etcd restarted, the leases of node0 and node1 lapsed and
-    /// they stopped their workers, and 0.4 s later node2 was preempted: its drain could not
-    /// save a step without their parts. Soak seed 20261219, run 14: the same with the lease
-    /// lapsing just after the signal.
-    #[test]
-    fn a_preemption_after_a_peer_of_its_generation_was_fenced_may_lose_what_a_crash_loses() {
-        let s = scenario();
-        let lost_ok = |evs: &[Record]| lost_work_check(&s, evs, &fired(FaultKind::SigtermAgent)).ok;
+    /// [`events`] with node2 (the preempted node of [`fired`]) joined and a member of
+    /// generation 1 beside node0 and node1.
+    fn events_with_node2_in_generation_1() -> Vec<Record> {
         let mut evs = events();
         evs.push(joined(500, "node2", false));
         for e in evs.iter_mut() {
@@ -574,6 +569,18 @@ mod tests {
                 *members = vec!["node0".into(), "node1".into(), "node2".into()];
             }
         }
+        evs
+    }
+
+    /// Soak seed 20261216, run 78: etcd restarted, the leases of node0 and node1 lapsed and
+    /// they stopped their workers, and 0.4 s later node2 was preempted: its drain could not
+    /// save a step without their parts. Soak seed 20261219, run 14: the same with the lease
+    /// lapsing just after the signal.
+    #[test]
+    fn a_preemption_after_a_peer_of_its_generation_was_fenced_may_lose_what_a_crash_loses() {
+        let s = scenario();
+        let lost_ok = |evs: &[Record]| lost_work_check(&s, evs, &fired(FaultKind::SigtermAgent)).ok;
+        let mut evs = events_with_node2_in_generation_1();
         assert!(!lost_ok(&evs));
         evs.push(fenced(3400, "node7"));
         assert!(!lost_ok(&evs), "a node outside the generation");
@@ -606,18 +613,7 @@ mod tests {
     fn a_preemption_whose_own_lease_lapses_during_the_drain_may_lose_what_a_crash_loses() {
         let s = scenario();
         let lost_ok = |evs: &[Record]| lost_work_check(&s, evs, &fired(FaultKind::SigtermAgent)).ok;
-        let mut evs = events();
-        evs.push(joined(500, "node2", false));
-        for e in evs.iter_mut() {
-            if let Event::Generation {
-                generation: 1,
-                members,
-                ..
-            } = &mut e.event
-            {
-                *members = vec!["node0".into(), "node1".into(), "node2".into()];
-            }
-        }
+        let mut evs = events_with_node2_in_generation_1();
         evs.push(rec(
             3_640,
             "node2",

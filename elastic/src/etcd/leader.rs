@@ -397,17 +397,7 @@ mod tests {
             joined_unix_ms: 0,
             spare_master_port: Some(200),
         };
-        let scaling = crate::scaling::ScalingConfig {
-            mode: crate::scaling::ScalingMode::None,
-            per_worker_batch: Some(1),
-            base_world_size: 1,
-            base_lr: Some(1.0),
-            global_batch: None,
-            on_indivisible: crate::scaling::OnIndivisible::Nearest,
-            warmup_steps: None,
-        }
-        .decide(1, None)
-        .unwrap();
+        let scaling = crate::scaling::decision_for_tests();
         let prev = |addr: &str, port: u16| Generation {
             version: record::RECORD_VERSION,
             number: 1,

@@ -150,17 +150,7 @@ mod tests {
     use crate::record::{self, RankedMember};
 
     fn generation(number: u64, members: &[&str]) -> Generation {
-        let scaling = crate::scaling::ScalingConfig {
-            mode: crate::scaling::ScalingMode::None,
-            per_worker_batch: Some(1),
-            base_world_size: 1,
-            base_lr: Some(1.0),
-            global_batch: None,
-            on_indivisible: crate::scaling::OnIndivisible::Nearest,
-            warmup_steps: None,
-        }
-        .decide(1, None)
-        .unwrap();
+        let scaling = crate::scaling::decision_for_tests();
         Generation {
             version: record::RECORD_VERSION,
             number,

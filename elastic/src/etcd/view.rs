@@ -282,17 +282,7 @@ mod tests {
             world_size: 1,
             master_addr: "h".into(),
             master_port: 1,
-            scaling: crate::scaling::ScalingConfig {
-                mode: crate::scaling::ScalingMode::None,
-                per_worker_batch: Some(1),
-                base_world_size: 1,
-                base_lr: Some(1.0),
-                global_batch: None,
-                on_indivisible: crate::scaling::OnIndivisible::Nearest,
-                warmup_steps: None,
-            }
-            .decide(1, None)
-            .unwrap(),
+            scaling: crate::scaling::decision_for_tests(),
             resume_step: Some(3),
             created_unix_ms: 1,
         };

@@ -312,17 +312,18 @@ async fn sigkilled_member_process_is_detected_when_its_lease_expires() {
     b.leave().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_leader_is_replaced_and_survivors_reform() {
-    let _g = serial().await;
-    let etcd = services::etcd().unwrap();
-    let ep = etcd.endpoint();
-    let ttl_ms = 1_000;
-    // The child registers first and so becomes the leader.
-    let mut child = ChildMember::spawn(&ep, "lead", "boss", ttl_ms);
+/// A job of three: "boss", a member process with lease TTL `leader_ttl_ms` that registers
+/// first and so leads, then "a" and "b" in this process; returns once a sees the generation
+/// of all three.
+async fn led_by_a_child(
+    ep: &str,
+    job: &str,
+    leader_ttl_ms: u64,
+) -> (ChildMember, Handle, Handle, Generation) {
+    let child = ChildMember::spawn(ep, job, "boss", leader_ttl_ms);
     child.wait_line("REGISTERED", Duration::from_secs(20));
-    let mut a = Rendezvous::join(cfg(&ep, "lead", "a")).await.unwrap();
-    let b = Rendezvous::join(cfg(&ep, "lead", "b")).await.unwrap();
+    let mut a = Rendezvous::join(cfg(ep, job, "a")).await.unwrap();
+    let b = Rendezvous::join(cfg(ep, job, "b")).await.unwrap();
     until(&a, 15_000, "boss leading", |s| {
         s.leader.as_deref() == Some("boss")
     })
@@ -331,6 +332,16 @@ async fn killed_leader_is_replaced_and_survivors_reform() {
     while g.members.len() < 3 {
         g = next(&mut a, 10_000).await;
     }
+    (child, a, b, g)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_leader_is_replaced_and_survivors_reform() {
+    let _g = serial().await;
+    let etcd = services::etcd().unwrap();
+    let ep = etcd.endpoint();
+    let ttl_ms = 1_000;
+    let (mut child, mut a, b, g) = led_by_a_child(&ep, "lead", ttl_ms).await;
     assert_eq!(ids(&g)[0], "boss");
     let before = g.number;
     let t0 = Instant::now();
@@ -374,18 +385,7 @@ async fn leader_that_does_not_confirm_a_regroup_is_deposed_without_waiting_for_i
     let ep = etcd.endpoint();
     // A lease far longer than the test allows: only the deposition can re-form in time.
     let leader_ttl_ms = 60_000;
-    let mut child = ChildMember::spawn(&ep, "depose", "boss", leader_ttl_ms);
-    child.wait_line("REGISTERED", Duration::from_secs(20));
-    let mut a = Rendezvous::join(cfg(&ep, "depose", "a")).await.unwrap();
-    let mut b = Rendezvous::join(cfg(&ep, "depose", "b")).await.unwrap();
-    until(&a, 15_000, "boss leading", |s| {
-        s.leader.as_deref() == Some("boss")
-    })
-    .await;
-    let mut g = next(&mut a, 10_000).await;
-    while g.members.len() < 3 {
-        g = next(&mut a, 10_000).await;
-    }
+    let (mut child, mut a, mut b, g) = led_by_a_child(&ep, "depose", leader_ttl_ms).await;
     child.wait_line(&format!("GENERATION {}", g.number), Duration::from_secs(10));
     child.sigkill();
     // The survivors' workers saw a collective fail: b asks, a confirms, the dead leader cannot.
