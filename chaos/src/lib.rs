@@ -27,7 +27,8 @@
 //!   world size changed.
 //! - `src/main.rs`: `elastic-chaos run SCENARIO` and `elastic-chaos soak --minutes N`.
 //! - `scenarios/`: the CI campaign (SIGKILL, preemption, partition, store outage, store
-//!   slowness and errors with a SIGKILL, a fixed-batch shrink compared with a reference run);
+//!   slowness and errors with a SIGKILL, a fixed-batch shrink compared with a reference run,
+//!   a fenced node that joins again after the last leader left);
 //!   `tests/campaign.rs` runs it.
 
 pub mod events;

@@ -169,7 +169,7 @@ impl Agent {
                     if let Some(h) = m.handle.take() {
                         drop(h);
                     }
-                    m.rejoin(&self.node.events).await?;
+                    m.rejoin(&self.node).await?;
                     fenced_metrics(&self.node.state, false);
                 }
                 Ok(ControlFlow::Continue(()))

@@ -24,6 +24,8 @@ const FAILURE_SETTLE_EXTRA_MS: u64 = 1_000;
 /// Pause between attempts to join again after a fence, and how long it keeps trying.
 const REJOIN_PAUSE_MS: u64 = 1_000;
 const REJOIN_DEADLINE_MS: u64 = 30 * 60_000;
+/// How long a rejoin waits for the store's newest committed step.
+const REJOIN_BUCKET_READ_MS: u64 = 10_000;
 
 /// The job's membership as this node follows it.
 pub(super) enum Membership {
@@ -75,10 +77,20 @@ impl EtcdMember {
         })
     }
 
-    /// Joins again after a fence, until it works or the deadline passes.
-    pub(super) async fn rejoin(&mut self, events: &Events) -> Result<()> {
+    /// Joins again after a fence, until it works or the deadline passes. The store's newest
+    /// committed step is read before each attempt: while this node was out, the others may have committed
+    /// newer steps, retired the ones it knows of, and left, taking `ctl/commit` (held on their
+    /// leader's lease) with them. Should this node lead the next generation alone, it resumes
+    /// from the store's newest step, not from a step it saw before the fence.
+    pub(super) async fn rejoin(&mut self, node: &Node) -> Result<()> {
+        let events = &node.events;
         let deadline = Instant::now() + Duration::from_millis(REJOIN_DEADLINE_MS);
         loop {
+            // Read before each attempt, so that it is fresh when the join succeeds.
+            if let Some(step) = bucket_latest_bounded(node).await {
+                self.committed = self.committed.max(Some(step));
+                self.bucket_latest = self.bucket_latest.max(Some(step));
+            }
             match Rendezvous::join(self.cfg.clone()).await {
                 Ok(h) => {
                     tracing::info!(lease = h.lease_id(), "joined the job again");
@@ -188,6 +200,38 @@ pub(super) enum Next {
     Exit(u8),
 }
 
+/// The store's newest committed step, read within [`REJOIN_BUCKET_READ_MS`]; `None` (with a
+/// warning) when the store cannot say in time: the rejoin goes on with the steps this node
+/// knows of.
+async fn bucket_latest_bounded(node: &Node) -> Option<u64> {
+    let cancel = checkpoint::CancellationToken::new();
+    let read = tokio::time::timeout(
+        Duration::from_millis(REJOIN_BUCKET_READ_MS),
+        node.sink.latest_step(&cancel),
+    )
+    .await;
+    cancel.cancel();
+    match read {
+        Ok(Ok(step)) => {
+            if let Some(step) = step {
+                tracing::debug!(step, url = %node.sink.url(), "newest committed step in the checkpoint store");
+            }
+            step
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "cannot read the newest committed step before joining again");
+            None
+        }
+        Err(_) => {
+            tracing::warn!(
+                timeout_ms = REJOIN_BUCKET_READ_MS,
+                "the newest committed step was not read in time before joining again"
+            );
+            None
+        }
+    }
+}
+
 /// Waits for the next generation that includes this node (etcd mode).
 pub(super) async fn wait_generation(
     node: &Node,
@@ -198,7 +242,7 @@ pub(super) async fn wait_generation(
 ) -> Result<Next> {
     loop {
         if m.handle.is_none() {
-            m.rejoin(&node.events).await?;
+            m.rejoin(node).await?;
             fenced_metrics(&node.state, false);
         }
         let mut committed = committer.committed.clone();
