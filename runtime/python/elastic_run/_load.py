@@ -150,11 +150,15 @@ def _into(state, model, strict, shards, where):
     :func:`_read_restored`): the tensors of every module that the checkpoint fills exactly, so
     that the bytes go from the restored file into the model in one copy. The state form is
     first checked in full against tensors without data (``apply``'s dry run), so a checkpoint
-    that does not fit loads nothing; ``shards`` holds the file's shard declarations by then."""
+    that does not fit loads nothing; ``shards`` holds the file's shard declarations by then.
+    Optimizer state of CUDA parameters is named with the device to create it on
+    (:func:`_tree.device_hints`)."""
 
     def state_form(rest, entries):
         _tree.apply(state, rest, _meta_tensors(entries), where, strict=strict, shards=shards, dry_run=True)
-        return _tree.destinations(state, rest, entries, shards)
+        out = _tree.device_hints(state, rest, entries)
+        out.update(_tree.destinations(state, rest, entries, shards))
+        return out
 
     def model_form(rest, entries):
         if model is None or shards:

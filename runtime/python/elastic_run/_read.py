@@ -7,7 +7,9 @@ as they say. Then each tensor is either read with ``preadv`` into a tensor the c
 module's own parameter: the bytes go from the file into the model in one copy, and several
 reads run at once on a large file, since they release the GIL), or given as a view of a
 private, copy-on-write mapping of the file (optimizer state and the rest): nothing is copied
-until something writes to it, and then only the pages written.
+until something writes to it, and then only the pages written. A tensor named on a CUDA
+device is read through pinned host buffers, a few megabytes at a time, each copied to the
+device asynchronously on a stream of the reading thread's own while the next is read.
 """
 
 import ctypes
@@ -26,6 +28,10 @@ _READ_BYTES_MAX = 1 << 30
 # Files at least this big are read by several threads, each taking whole tensors.
 _PARALLEL_BYTES_MIN = 64 << 20
 _THREADS_MAX = 4
+# Reading into device memory: each reading thread's pinned host buffers (two, so that one is
+# read while the other is copied to the device), each at most this many bytes.
+_PINNED_BUFFER_BYTES = 32 << 20
+_PINNED_BUFFERS = 2
 
 # safetensors dtype -> (torch dtype name, bytes per element).
 _DTYPES = {
@@ -148,17 +154,25 @@ class TensorFile:
 
     def read(self, into=None):
         """Every tensor, name -> tensor: read into ``into[name]`` when given there (a contiguous
-        CPU tensor of its dtype and shape, which is returned for it), else a copy-on-write view
-        of the file (a new tensor read from it where the bytes are not aligned to its dtype)."""
+        CPU or CUDA tensor of its dtype and shape, which is returned for it; or a device, to
+        read into a new tensor there), else a copy-on-write view of the file (a new tensor read
+        from it where the bytes are not aligned to its dtype)."""
         import torch
 
         into = into or {}
-        out, jobs = {}, []
+        out, jobs, device_jobs = {}, [], []
         for e in self.entries.values():
             dest = into.get(e.name)
+            if isinstance(dest, torch.device):
+                dest = torch.empty(e.shape, dtype=e.torch_dtype(), device=dest)
             if dest is not None:
                 if not fits(dest, e):
                     raise ValueError(f"{self.path}: tensor {e.name!r} cannot be read into {_what(dest)}")
+                if dest.device.type != "cpu":
+                    out[e.name] = dest
+                    if e.nbytes:
+                        device_jobs.append((e, dest))
+                    continue
             elif e.nbytes and (self.data_start + e.start) % _DTYPES[e.dtype][1] == 0:
                 out[e.name] = self._view(e)
                 continue
@@ -167,18 +181,56 @@ class TensorFile:
             out[e.name] = dest
             if e.nbytes:
                 jobs.append((e, dest))
+        self._read_all(jobs, self._read_one)
+        if device_jobs:
+            self._read_to_device(device_jobs)
+        return out
+
+    def _read_all(self, jobs, read_one):
+        """Runs ``read_one(e, dest)`` for each job, on several threads when there is enough to
+        read."""
         total = sum(e.nbytes for e, _ in jobs)
         threads = min(_THREADS_MAX, os.cpu_count() or 1, len(jobs))
         if total < _PARALLEL_BYTES_MIN or threads < 2:
             for e, dest in jobs:
-                self._read_one(e, dest)
-            return out
+                read_one(e, dest)
+            return
         # Largest first, so the threads finish together.
-        jobs.sort(key=lambda j: -j[0].nbytes)
+        jobs = sorted(jobs, key=lambda j: -j[0].nbytes)
         with ThreadPoolExecutor(threads, thread_name_prefix="elastic-run-read") as pool:
-            for f in [pool.submit(self._read_one, e, dest) for e, dest in jobs]:
+            for f in [pool.submit(read_one, e, dest) for e, dest in jobs]:
                 f.result()
-        return out
+
+    def _read_to_device(self, jobs):
+        """Reads each job's bytes into its device tensor through pinned host buffers: each
+        reading thread holds :data:`_PINNED_BUFFERS` of them and a stream of its own, reads the
+        file into one buffer while the other is copied to the device, and waits for its stream
+        before it ends. The copies start after the work queued on the caller's current stream
+        (which may still use the tensors), and are done when this returns."""
+        import threading
+
+        import torch
+
+        devices = {dest.device for _, dest in jobs}
+        after = {d: torch.cuda.current_stream(d) for d in devices}
+        local = threading.local()
+        made = []
+        lock = threading.Lock()
+
+        def read_one(e, dest):
+            copier = getattr(local, "copier", None)
+            if copier is None or copier.device != dest.device:
+                copier = local.copier = _DeviceCopier(dest.device, after[dest.device], self)
+                with lock:
+                    made.append(copier)
+            copier.copy(e, dest)
+
+        try:
+            self._read_all(jobs, read_one)
+        finally:
+            for c in made:
+                c.finish()
+
 
     def _view(self, e):
         """Entry ``e`` as a view of the file's private mapping (made on first use): its pages
@@ -196,14 +248,59 @@ class TensorFile:
         self._readinto(mv, self.data_start + e.start)
 
 
+class _DeviceCopier:
+    """One thread's way from the file to device memory: pinned buffers, a stream and an event
+    per buffer, so that a buffer is read into again only once its copy is done."""
+
+    def __init__(self, device, after, tensor_file):
+        import torch
+
+        self.device, self.file = device, tensor_file
+        self.stream = torch.cuda.Stream(device=device)
+        self.stream.wait_stream(after)
+        self.buffers, self.events, self.turn = [], [], 0
+
+    def _buffer(self, n):
+        import torch
+
+        i = self.turn % _PINNED_BUFFERS
+        self.turn += 1
+        if i == len(self.buffers):
+            self.buffers.append(torch.empty(_PINNED_BUFFER_BYTES, dtype=torch.uint8, pin_memory=True))
+            self.events.append(None)
+        elif self.events[i] is not None:
+            self.events[i].synchronize()
+        return i, self.buffers[i][:n]
+
+    def copy(self, e, dest):
+        import torch
+
+        flat = dest.detach().reshape(-1).view(torch.uint8)
+        done = 0
+        while done < e.nbytes:
+            n = min(_PINNED_BUFFER_BYTES, e.nbytes - done)
+            i, buf = self._buffer(n)
+            mv = memoryview((ctypes.c_char * n).from_address(buf.data_ptr())).cast("B")
+            self.file._readinto(mv, self.file.data_start + e.start + done)
+            with torch.cuda.stream(self.stream):
+                flat[done:done + n].copy_(buf, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+            self.events[i] = ev
+            done += n
+
+    def finish(self):
+        self.stream.synchronize()
+
+
 def fits(t, e):
     """Whether tensor ``t`` can take entry ``e``'s bytes as they are: a dense, contiguous CPU
-    tensor of its dtype and shape (a parameter's own tensor qualifies: its memory is written
-    directly, outside autograd)."""
+    or CUDA tensor of its dtype and shape (a parameter's own tensor qualifies: its memory is
+    written directly, outside autograd)."""
     import torch
 
     return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
-            and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and t.device.type in ("cpu", "cuda") and t.is_contiguous() and not t.is_conj() and not t.is_neg()
             and tuple(t.shape) == e.shape and t.dtype == e.torch_dtype())
 
 

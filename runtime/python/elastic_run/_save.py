@@ -267,7 +267,8 @@ _WRITE_BYTES_MAX = 1 << 30
 def _write_safetensors(path, tensors, metadata):
     """Writes ``tensors`` (name -> tensor) as a safetensors file straight from their memory: an
     8-byte little-endian header length, the JSON header padded with spaces to 8 bytes, then
-    every tensor's bytes in name order. Device tensors are copied to the host one at a time.
+    every tensor's bytes in name order. CUDA tensors go through pinned buffers
+    (:class:`_HostStager`), other device tensors are copied to the host one at a time.
     ``os.write`` releases the GIL, so a writer thread lets training go on meanwhile."""
     import struct
 
@@ -288,11 +289,16 @@ def _write_safetensors(path, tensors, metadata):
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)
     fd = _open_private(path)
+    stager = None
     try:
         _write_all(fd, struct.pack("<Q", len(h)) + h)
         for n in names:
             t = tensors[n]
             if t.numel() == 0:
+                continue
+            if t.device.type == "cuda" and t.is_contiguous():
+                stager = stager if stager is not None and stager.device == t.device else _HostStager(t.device)
+                stager.write(fd, t)
                 continue
             if t.device.type != "cpu":
                 t = t.to("cpu")
@@ -302,6 +308,50 @@ def _write_safetensors(path, tensors, metadata):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# Writing device tensors: two pinned host buffers of at most this many bytes each; one is
+# written to the file while the next piece is copied into the other.
+_PINNED_BUFFER_BYTES = 32 << 20
+
+
+class _HostStager:
+    """Copies CUDA tensors to the file through two pinned host buffers, on a stream of its own
+    that starts after the work queued on the current stream (which made the tensors): the
+    copy of a tensor's next piece runs while the piece before it is written."""
+
+    def __init__(self, device):
+        import torch
+
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        self.buffers = []
+        self.events = [torch.cuda.Event(), torch.cuda.Event()]
+
+    def write(self, fd, t):
+        import torch
+
+        flat = t.detach().reshape(-1).view(torch.uint8)
+        total, done, turn, pending = flat.numel(), 0, 0, None
+        while done < total or pending is not None:
+            piece = None
+            if done < total:
+                n = min(_PINNED_BUFFER_BYTES, total - done)
+                i = turn % 2
+                turn += 1
+                if i == len(self.buffers):
+                    self.buffers.append(torch.empty(_PINNED_BUFFER_BYTES, dtype=torch.uint8, pin_memory=True))
+                with torch.cuda.stream(self.stream):
+                    self.buffers[i][:n].copy_(flat[done:done + n], non_blocking=True)
+                    self.events[i].record(self.stream)
+                piece = (i, n)
+                done += n
+            if pending is not None:
+                j, m = pending
+                self.events[j].synchronize()
+                _write_all(fd, memoryview(self.buffers[j][:m].numpy()))
+            pending = piece
 
 
 def _write_all(fd, buf):

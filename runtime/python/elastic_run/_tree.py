@@ -694,6 +694,48 @@ def destinations(state, skeleton, entries, shards=None):
     return out
 
 
+def device_hints(state, skeleton, entries):
+    """Optimizer state to create on the device of its parameter while it is read (a CUDA
+    parameter's ``exp_avg`` and the like, read through pinned buffers rather than copied
+    from host memory by ``load_state_dict``): ``{tensor name: device}``. Covers the
+    optimizers of ``state`` over plain tensors whose saved ``param_groups`` match their own in
+    shape; each tensor has its parameter's shape and dtype. ``step`` counters stay where the
+    optimizer keeps them."""
+    import torch
+
+    out = {}
+    for name, e in (skeleton.get("entries") or {}).items():
+        target = state.get(name) if isinstance(state, Mapping) else None
+        value = e.get("value") if isinstance(e, dict) and e.get("stateful") is True else None
+        if not (isinstance(target, torch.optim.Optimizer) and isinstance(value, dict)):
+            continue
+        groups, saved = target.param_groups, value.get("param_groups")
+        if not (isinstance(saved, list) and len(saved) == len(groups) and all(
+                isinstance(g, dict) and isinstance(g.get("params"), list) and len(g["params"]) == len(c["params"])
+                for g, c in zip(saved, groups))):
+            continue
+        param_of = {}
+        for g, c in zip(saved, groups):
+            for i, p in zip(g["params"], c["params"]):
+                if isinstance(i, int) and not isinstance(i, bool):
+                    param_of[i] = p
+        items = value.get("state")
+        items = items.get("$items") if isinstance(items, dict) else None
+        for item in items if isinstance(items, list) else ():
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], dict)):
+                continue
+            p = param_of.get(item[0]) if isinstance(item[0], int) else None
+            if p is None or type(p) not in (torch.Tensor, torch.nn.Parameter) or p.device.type != "cuda":
+                continue
+            for k, v in item[1].items():
+                key = v.get("$t") if isinstance(v, dict) and len(v) == 1 else None
+                ent = entries.get(key) if isinstance(key, str) else None
+                if (k != "step" and ent is not None and ent.shape == tuple(p.shape)
+                        and ent.torch_dtype() == p.dtype):
+                    out[key] = p.device
+    return out
+
+
 def _local_destination(current, spec):
     """The tensor that holds ``current``'s own bytes as a checkpoint tensor declared ``spec``
     would give them (None when the bytes need cutting first)."""
