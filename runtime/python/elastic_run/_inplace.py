@@ -35,7 +35,10 @@ trains on from the weights in its memory.
   does not share.
 - **Aborting.** All-reduces run on a copy of the gradients, so a collective given up (blocked
   on a peer that vanished without closing its sockets) never writes into memory in use again.
-  A group with such a collective is kept, never destroyed (its threads are blocked).
+  On NCCL the group's communicators are aborted (``ncclCommAbort``, within
+  ``ABORT_TIMEOUT_S``), which ends the blocked collective. A gloo group with such a
+  collective, or an NCCL one whose abort did not finish in time, is kept, never destroyed
+  (its threads are blocked).
 - **Bounds.** A failed step must be followed by a new generation within ``offer_wait_s``;
   otherwise the collective's error is raised (the worker fails and the agent restarts the
   group). Forming a group and every collective time out after ``timeout_s``.
@@ -82,6 +85,8 @@ _RECONNECT_PAUSE_S = 0.5
 # Groups given up with a collective blocked in them: past this many the worker fails instead
 # of piling up threads (the agent restarts it).
 _ABANDONED_GROUPS_MAX = 8
+# How long aborting an NCCL group's communicators may take before the group is kept instead.
+ABORT_TIMEOUT_S = 10.0
 # Store keys of each generation's group live under this prefix.
 _STORE_PREFIX = "elastic_run/inplace"
 
@@ -228,6 +233,15 @@ def _form_group(timeout_s):
         torch.cuda.set_device(local_rank())
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
+        # Non-blocking communicators: a peer gone while the group forms does not hold this
+        # rank in ncclCommInitRank for ever (the wait for a communicator is bounded by
+        # TORCH_NCCL_NONBLOCKING_TIMEOUT, which defaults here to the group's timeout), and an
+        # abort can end it.
+        os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(max(1, int(timeout_s))))
+        try:
+            opts.config.blocking = 0
+        except AttributeError:  # a build without NCCL's config
+            pass
         backend = dist.ProcessGroupNCCL(PrefixStore("nccl/", prefixed), r, w, opts)
         kind, device = ProcessGroup.BackendType.NCCL, torch.device("cuda", torch.cuda.current_device())
     else:
@@ -472,10 +486,13 @@ class InPlace:
         return t
 
     def _retire(self, group, store):
-        """Lets go of the old group: destroyed when nothing is blocked in it, else kept (its
-        threads are blocked) and given up at exit."""
+        """Lets go of the old group: an NCCL group whose collective failed or is blocked is
+        aborted; any other is destroyed when nothing is blocked in it, else kept (its threads
+        are blocked) and given up at exit."""
         blocked = any(not f.done() for f in self.works)
         self.works = []
+        if (blocked or self.failed is not None) and _abort_nccl(group):
+            return
         if blocked:
             from ._env import rank
 
@@ -598,6 +615,49 @@ class _StepBlock:
             self.ip.failed = e
             return True
         return False
+
+
+def _abort_nccl(group, timeout_s=None):
+    """Aborts the NCCL communicators of ``group``, which ends any collective blocked in them.
+    True when it was done within ``timeout_s`` (:data:`ABORT_TIMEOUT_S`); False for a group
+    with no NCCL backend, or an abort that failed or did not finish in time (it goes on in a
+    daemon thread, and the group must be kept)."""
+    import torch
+
+    from ._env import rank
+
+    if not torch.cuda.is_available():
+        return False
+    import torch.distributed as dist
+
+    try:
+        backend = group._get_backend(torch.device("cuda", torch.cuda.current_device()))
+    except Exception:  # noqa: BLE001 (no backend for the device: not an NCCL group)
+        return False
+    if not isinstance(backend, dist.ProcessGroupNCCL):
+        return False
+    done, failed = threading.Event(), []
+
+    def abort():
+        try:
+            backend.abort()
+        except Exception as e:  # noqa: BLE001
+            failed.append(e)
+        done.set()
+
+    started = time.monotonic()
+    threading.Thread(target=abort, name="elastic_run-nccl-abort", daemon=True).start()
+    wait_s = ABORT_TIMEOUT_S if timeout_s is None else timeout_s
+    if not done.wait(wait_s):
+        print(f"elastic_run: rank {rank()}: aborting the NCCL group did not finish in {wait_s:g} s; keeping it",
+              flush=True)
+        return False
+    if failed:
+        print(f"elastic_run: rank {rank()}: aborting the NCCL group failed: {failed[0]}; keeping it", flush=True)
+        return False
+    print(f"elastic_run: rank {rank()} aborted its old NCCL group (a collective in it failed or is blocked) in "
+          f"{(time.monotonic() - started) * 1000:.0f} ms", flush=True)
+    return True
 
 
 def _grad_buffers(params):
