@@ -1,4 +1,4 @@
-//! `elastic-chaos run SCENARIO.toml [--seed N] [--out DIR]` and
+//! `elastic-chaos run SCENARIO.toml [--seed N] [--out DIR] [--in-place]` and
 //! `elastic-chaos soak --minutes N [--out DIR]`. See the `chaos` crate docs.
 
 use std::path::PathBuf;
@@ -34,6 +34,9 @@ enum Cmd {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// Run the scenario's nodes with `--in-place` (if its `args` do not already).
+        #[arg(long)]
+        in_place: bool,
     },
     /// Random scenarios until the time is up; stops at the first violated invariant.
     Soak {
@@ -142,6 +145,7 @@ fn main() -> ExitCode {
             seed,
             out,
             json,
+            in_place,
         } => {
             let text = match std::fs::read_to_string(&scenario) {
                 Ok(t) => t,
@@ -150,13 +154,16 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let s = match Scenario::parse(&text, &scenario.display().to_string()) {
+            let mut s = match Scenario::parse(&text, &scenario.display().to_string()) {
                 Ok(s) => s,
                 Err(e) => {
                     eprintln!("elastic-chaos: {e:#}");
                     return ExitCode::from(2);
                 }
             };
+            if in_place && !s.args.iter().any(|a| a == "--in-place") {
+                s.args.push("--in-place".into());
+            }
             let tools = match tools.for_scenario(&s, explicit_bin) {
                 Ok(t) => t,
                 Err(e) => {
