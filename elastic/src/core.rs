@@ -16,7 +16,8 @@
 //!   generation keeps the eligible survivors in their existing relative order and appends all
 //!   waiting members (the job restarts anyway, so every join policy admits them at this
 //!   boundary), ordered by join time then node id, up to `max`. It is frozen at once at `max`,
-//!   else after the settle window.
+//!   or when every lost member had drained (`drained`: it announced its leaving and saved
+//!   first) and no member drains now, else after the settle window.
 //! - **Undersized** (the generation is smaller than `min`, which was raised since): re-form it
 //!   as after a loss.
 //! - **Draining**: while a member of the current generation is draining (saving before it
@@ -200,6 +201,10 @@ pub struct Input {
     /// registration (they may be dead with a lease still running).
     #[serde(default)]
     pub excluded: Vec<String>,
+    /// Members of the current generation the leader saw draining (they leave once their
+    /// drained step is committed).
+    #[serde(default)]
+    pub drained: Vec<String>,
 }
 
 /// Why the core decided what it decided.
@@ -469,6 +474,14 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
             // Nothing to gain from a restart: the same members, still below `min`.
             return below_min(eligible_count);
         }
+        let drained: BTreeSet<&str> = input.drained.iter().map(String::as_str).collect();
+        // The survivors wait for nothing more: the drained members said they would go, and
+        // went; another one still draining would start a settle of its own when it goes.
+        let all_drained = !lost.is_empty()
+            && lost.iter().all(|id| drained.contains(id.as_str()))
+            && !current.iter().any(
+                |id| matches!(by_id.get(id.as_str()), Some(m) if m.state == MemberState::Draining),
+            );
         let reason = if lost.is_empty() {
             Reason::Undersized {
                 size: current.len() as u32,
@@ -477,6 +490,9 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
         } else {
             Reason::MembersLost { lost }
         };
+        if all_drained {
+            return Decision::Freeze { members, reason };
+        }
         return freeze_settled(members, reason);
     }
 

@@ -51,6 +51,9 @@ pub(crate) struct Driver {
     /// Leading: members left out of a regroup, with the registration revision they had and
     /// until when (`now_unix_ms`) they are not admitted back with it.
     pub excluded: std::collections::BTreeMap<String, (i64, u64)>,
+    /// Leading: the generation, and its members this leader saw draining (they leave once
+    /// their drained step is committed: the survivors are re-formed without a settle window).
+    pub drained: (u64, std::collections::BTreeSet<String>),
 }
 
 pub(super) enum Exit {

@@ -148,6 +148,7 @@ impl Rendezvous {
                 known_commit: known_commit.clone(),
                 confirmed_regroup: None,
                 leader_silent_since: None,
+                drained: Default::default(),
                 regroup_since: None,
                 excluded: Default::default(),
             };

@@ -100,6 +100,16 @@ impl Driver {
         let excluded = self.excluded_input(now_ms);
         let timing = tracker.observe(now_ms, &observed, &excluded, core_cfg.min_nodes);
         let current_number = self.view.generation.as_ref().map_or(0, |g| g.number);
+        if self.drained.0 != current_number {
+            self.drained = (current_number, Default::default());
+        }
+        if let Some(g) = &self.view.generation {
+            for id in g.node_ids() {
+                if self.view.draining.contains(&id) {
+                    self.drained.1.insert(id);
+                }
+            }
+        }
         let input = core::Input {
             now_ms,
             members: observed,
@@ -121,6 +131,7 @@ impl Driver {
                 .max(),
             regroup: self.regroup_input(current_number, now_ms),
             excluded,
+            drained: self.drained.1.iter().cloned().collect(),
         };
         let decision = core::decide(&core_cfg, &input);
         tracing::debug!(?decision, "decision");

@@ -77,6 +77,7 @@ fn random_case(rng: &mut StdRng) -> (CoreConfig, Input) {
         current_resume_step: None,
         regroup: None,
         excluded: vec![],
+        drained: vec![],
     };
     let mut input = input;
     // Some present members left out of a regroup lately.

@@ -45,6 +45,9 @@ struct Case {
     /// Members left out of a regroup lately.
     #[serde(default)]
     excluded: Vec<String>,
+    /// Members of the current generation seen draining.
+    #[serde(default)]
+    drained: Vec<String>,
     expect: Decision,
 }
 
@@ -101,6 +104,7 @@ fn decision_table() {
                 confirmed: confirmed.clone(),
             }),
             excluded: case.excluded.clone(),
+            drained: case.drained.clone(),
         };
         let got = decide(&cfg, &input);
         if got != case.expect {
@@ -141,6 +145,7 @@ fn every_reason_has_a_message() {
         current_resume_step: None,
         regroup: None,
         excluded: vec![],
+        drained: vec![],
     };
     let d = decide(&cfg, &input);
     assert!(matches!(d, Decision::Fail { .. }), "{d:?}");
