@@ -143,7 +143,10 @@ def report_progress(step, force=False):
 
 
 def should_stop(step):
-    """Whether every rank should save ``step`` and exit (the agent is draining).
+    """Whether every rank should save ``step`` and exit (the agent is draining). Under
+    recovery in place (:class:`elastic_run.InPlace`), only the ranks of the node that drains
+    exit: the others are told False, save ``step`` too (:func:`should_checkpoint` says so),
+    and switch to the next generation in place.
 
     Local rank 0 of each node asks its agent; one tiny all-reduce (MAX) makes every rank agree,
     so all ranks call this at the same steps. It also learns the step the agent wants a
@@ -159,6 +162,13 @@ def should_stop(step):
         ckpt = 0 if at is None else at + 1
     asked = stop
     stop, ckpt = _distributed._all_reduce_max([stop, ckpt])
+    ip = _state.in_place
+    if stop and ip is not None and conn is not None and not ip._node_leaves(asked):
+        # Recovery in place: another node drains. This rank saves the same step (what
+        # should_checkpoint says next) and switches to the generation without that node.
+        _state.checkpoint_at = int(step)
+        ip._peer_drains(step)
+        return False
     if stop and _state.stop_step is None:
         _state.stop_step = int(step)
     if stop and not asked and conn is not None and local_rank() == 0:

@@ -28,6 +28,9 @@ trains on from the weights in its memory.
   rank 0), and agrees on the step: the ranks behind receive the whole state from the first
   rank that is furthest, over the new group. A worker that starts fresh in a generation
   (a joiner, or one restarted) does the same in :meth:`InPlace.load`, so the two meet.
+- **Drains.** When another node is preempted, :func:`elastic_run.should_stop` tells this
+  rank False (the draining node's ranks are told True): every rank saves the agreed step, the
+  draining node's ranks exit, and the others switch to the generation without it.
 - **Gradients** are averaged by :meth:`InPlace.sync_gradients`, in parameter order, in
   buffers of at most ``GRAD_BUFFER_BYTES``, after the backward (once per step, whatever the
   gradient accumulation). ``DistributedDataParallel`` is not used: its reducer is bound to
@@ -265,6 +268,8 @@ class InPlace:
         self.timeout_s = float(timeout_s)
         self.offer_wait_s = float(offer_wait_s)
         self.failed = None  # the exception (or reason) that failed the current step
+        # Why a new generation is awaited though no step failed (another node drains).
+        self.awaiting = None
         self.abandoned = []
         # Futures of the collectives issued on the current group, until done: one left
         # undone at a switch means the old group has a blocked thread.
@@ -292,9 +297,9 @@ class InPlace:
         return step
 
     def switch_pending(self):
-        """Whether the loop must switch before its next step: a generation was offered, or the
-        last step failed (a new generation must follow)."""
-        return self.failed is not None or self.offers.pending()
+        """Whether the loop must switch before its next step: a generation was offered, the
+        last step failed, or another node drained (a new generation must follow)."""
+        return self.failed is not None or self.awaiting is not None or self.offers.pending()
 
     def step(self):
         """A context for one step's forward and backward: a collective that fails inside it
@@ -368,7 +373,7 @@ class InPlace:
         for attempt in range(_SWITCH_ATTEMPTS_MAX):
             offer = self.offers.take(self.offer_wait_s)
             if offer is None:
-                why = self.failed
+                why = self.failed or self.awaiting
                 if isinstance(why, BaseException):
                     raise why
                 raise SwitchError(f"elastic_run: no new generation was offered within {self.offer_wait_s:g} s "
@@ -401,6 +406,7 @@ class InPlace:
 
         self.world = world_size()
         self.failed = None
+        self.awaiting = None
         step = self._agree(step)
         self._started_at(step)
         _state.checkpoint_at = None
@@ -438,6 +444,26 @@ class InPlace:
             self.failed = self.failed or "a collective of should_stop did not complete"
             return list(values)
         return [int(x) for x in t.tolist()]
+
+    def _node_leaves(self, asked):
+        """Whether this rank's node is the one that drains, when the ranks agreed to stop:
+        one MAX all-reduce over a flag per node, set by each node's local rank 0 from its own
+        agent's answer (``asked``)."""
+        from ._env import local_rank
+
+        nodes = min(max(_env_int("GROUP_WORLD_SIZE", 1), 1), protocol.WORLD_SIZE_MAX)
+        me = _env_int("GROUP_RANK", 0)
+        if not 0 <= me < nodes:
+            return True
+        flags = [0] * nodes
+        if local_rank() == 0:
+            flags[me] = 1 if asked else 0
+        return bool(self._all_reduce_max(flags)[me])
+
+    def _peer_drains(self, step):
+        """Another node drains at ``step``: this rank saves the same step and then waits for
+        the generation without that node (:meth:`switch_pending`)."""
+        self.awaiting = f"another node drained at step {step}"
 
     def _device(self):
         import torch
@@ -615,6 +641,13 @@ class _StepBlock:
             self.ip.failed = e
             return True
         return False
+
+
+def _env_int(name, default):
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
 
 
 def _abort_nccl(group, timeout_s=None):

@@ -107,6 +107,8 @@ impl Agent {
         // A complete step waiting for room in the commit queue.
         let mut held: Option<StepToCommit> = None;
         let mut switching: Option<Switch> = None;
+        // A peer's drain that the workers save with and then switch past in place (logged once).
+        let mut peer_drain_in_place = false;
         let mut in_place_rx = state.in_place_changes();
         let outcome = loop {
             tokio::select! {
@@ -219,6 +221,7 @@ impl Agent {
                     }
                     if let Some(sw) = switching.take_if(|sw| sw.done(state)) {
                         (view, running_gen) = complete_switch(node, membership, sw, last_step_reached);
+                        peer_drain_in_place = false;
                         // The next step reported is the new generation's first, and what etcd
                         // showed meanwhile is judged against the new generation.
                         first_step_seen = false;
@@ -257,6 +260,7 @@ impl Agent {
                                 // The workers finished the switch already: the node runs that
                                 // generation, then judges this view against it.
                                 (view, running_gen) = complete_switch(node, membership, sw, last_step_reached);
+                        peer_drain_in_place = false;
                                 first_step_seen = false;
                                 if let Some(rx) = snap_rx.as_mut() {
                                     rx.mark_changed();
@@ -277,7 +281,15 @@ impl Agent {
                         let _ = cmd_tx.send(Command::Stop).await;
                     } else if drain.is_none() {
                         let peer_draining = snap.draining.iter().any(|n| *n != node.node_id && g.member(n).is_some());
-                        if peer_draining {
+                        if peer_draining && state.workers_switch_in_place() {
+                            // The workers hear the drain from the peer's workers (`should_stop`),
+                            // save the same step and wait for the generation without that peer,
+                            // which is offered to them in place: nothing to stop here.
+                            if !peer_drain_in_place {
+                                peer_drain_in_place = true;
+                                tracing::info!(draining = ?snap.draining, "a peer is draining; the workers save with it and switch in place");
+                            }
+                        } else if peer_draining {
                             tracing::warn!(draining = ?snap.draining, "a peer is draining; saving and stopping with it");
                             node.events.emit(Event::DrainStarted { reason: DrainReason::Peer });
                             *drain = Some(start_drain(node, membership, &cmd_tx, DrainOf::Peer).await);

@@ -477,6 +477,75 @@ fn events_now() -> u64 {
 }
 
 #[test]
+fn sigterm_of_one_node_leaves_the_survivors_switching_in_place_from_the_drained_step() {
+    let job = Job::new("file");
+    let train = ["--steps", "60", "--step-sleep", "0.1", "--in-place"];
+    let mut a = job.start("a", "2:3", &train);
+    let b = job.start("b", "2:3", &train);
+    let c = job.start("c", "2:3", &train);
+    let g1 = job.wait_event("generation at world 6", LONG, |e| {
+        is(e, "generation") && e["world_size"] == 6
+    });
+    a.wait_line("[rank 0] step 8 ", LONG);
+    let (workers_a, workers_b) = (children(a.pid()), children(b.pid()));
+    assert_eq!((workers_a.len(), workers_b.len()), (2, 2));
+    signal(&c.child, libc::SIGTERM);
+    let (code_c, _out_c, err_c) = c.finish(LONG);
+    assert_eq!(code_c, 0, "the preempted agent drains cleanly:\n{err_c}");
+    let left = job
+        .events()
+        .into_iter()
+        .find(|e| is(e, "left") && node_of(e) == "c")
+        .unwrap_or_else(|| panic!("c did not leave after its drained step:\n{err_c}"));
+    let stopped = left["step"].as_u64().expect("c's drained step");
+    let g2 = job.wait_event("the survivors' generation at world 4", LONG, |e| {
+        is(e, "generation")
+            && e["world_size"] == 4
+            && node_of(e) == "a"
+            && e["generation"].as_u64() > g1["generation"].as_u64()
+    });
+    assert_eq!(g2["in_place"], true, "the workers switched in place: {g2}");
+    let first = job.wait_event("first step of the new generation", LONG, |e| {
+        is(e, "first_step") && e["generation"] == g2["generation"] && node_of(e) == "a"
+    });
+    let committed = job
+        .events()
+        .iter()
+        .filter(|e| is(e, "checkpoint_committed") && e["step"].as_u64() == Some(stopped))
+        .map(|e| e["ts_ms"].as_u64().unwrap())
+        .min()
+        .unwrap_or_else(|| panic!("the drained step {stopped} was not committed:\n{err_c}"));
+    eprintln!(
+        "recovery in place after SIGTERM: {} ms from the drained step's commit to the survivors' first step",
+        first["ts_ms"].as_u64().unwrap().saturating_sub(committed)
+    );
+    // The same processes train on, from the drained step: nothing restarted, nothing lost.
+    assert_eq!(children(a.pid()), workers_a);
+    assert_eq!(children(b.pid()), workers_b);
+    let (code_a, out_a, err_a) = a.finish(LONG);
+    let (code_b, _, err_b) = b.finish(LONG);
+    assert_eq!(code_a, 0, "{out_a}\n{err_a}");
+    assert_eq!(code_b, 0, "{err_b}");
+    assert!(
+        out_a.contains(&format!(
+            "switched to generation {} in place at step {stopped} ",
+            g2["generation"]
+        )),
+        "the survivors go on from the drained step {stopped}:\n{out_a}"
+    );
+    assert!(!out_a.contains("stopping at step"), "{out_a}");
+    assert!(out_a.contains("world 4 accum 1"), "{out_a}");
+    assert!(out_a.contains("done step 60 "), "{out_a}");
+    for e in job.events() {
+        assert!(
+            !(is(&e, "workers_started") && e["generation"].as_u64() > g1["generation"].as_u64()),
+            "no worker group was started after the first: {e}"
+        );
+    }
+    assert!(job.committed_steps().contains(&60));
+}
+
+#[test]
 fn sigterm_of_one_agent_commits_its_emergency_checkpoint_and_no_step_is_lost() {
     let job = Job::new("s3");
     let train = ["--steps", "100000", "--step-sleep", "0.1"];
