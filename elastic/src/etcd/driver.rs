@@ -51,8 +51,8 @@ pub(crate) struct Driver {
     /// Leading: members left out of a regroup, with the registration revision they had and
     /// until when (`now_unix_ms`) they are not admitted back with it.
     pub excluded: std::collections::BTreeMap<String, (i64, u64)>,
-    /// Leading: the generation, and its members this leader saw draining (they leave once
-    /// their drained step is committed: the survivors are re-formed without a settle window).
+    /// The generation, and its members this node saw draining (they leave once their drained
+    /// step is committed: the leader re-forms the survivors without a settle window).
     pub drained: (u64, std::collections::BTreeSet<String>),
 }
 
@@ -229,6 +229,7 @@ impl Driver {
         tracker: &mut Tracker,
         next_decision_at: &mut Option<Instant>,
     ) -> Result<Option<Exit>> {
+        self.note_drained();
         if self.view.state.is_some() {
             return Ok(Some(Exit::Stop));
         }

@@ -72,6 +72,22 @@ impl Driver {
         Ok(())
     }
 
+    /// Notes the current generation's members seen draining (on every member, so that a
+    /// leader elected after the drained one left knows it too).
+    pub(super) fn note_drained(&mut self) {
+        let current_number = self.view.generation.as_ref().map_or(0, |g| g.number);
+        if self.drained.0 != current_number {
+            self.drained = (current_number, Default::default());
+        }
+        if let Some(g) = &self.view.generation {
+            for id in g.node_ids() {
+                if self.view.draining.contains(&id) {
+                    self.drained.1.insert(id);
+                }
+            }
+        }
+    }
+
     pub(super) async fn lead(
         &mut self,
         tracker: &mut Tracker,
@@ -100,16 +116,6 @@ impl Driver {
         let excluded = self.excluded_input(now_ms);
         let timing = tracker.observe(now_ms, &observed, &excluded, core_cfg.min_nodes);
         let current_number = self.view.generation.as_ref().map_or(0, |g| g.number);
-        if self.drained.0 != current_number {
-            self.drained = (current_number, Default::default());
-        }
-        if let Some(g) = &self.view.generation {
-            for id in g.node_ids() {
-                if self.view.draining.contains(&id) {
-                    self.drained.1.insert(id);
-                }
-            }
-        }
         let input = core::Input {
             now_ms,
             members: observed,

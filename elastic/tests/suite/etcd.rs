@@ -840,6 +840,56 @@ async fn drain_is_seen_at_once_and_the_generation_waits_for_the_leave() {
     a.leave().await.unwrap();
 }
 
+/// A member that drained and left is replaced at once, even when it was the leader: every
+/// member notes who drains, so the leader elected after it knows the loss was a drain and does
+/// not wait out the settle window (20 s here) before re-forming the survivors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_drained_and_left_is_replaced_without_the_settle_window() {
+    let _g = serial().await;
+    let etcd = services::etcd().unwrap();
+    let ep = etcd.endpoint();
+    let conf = |node: &str| {
+        let mut c = cfg(&ep, "drainedleader", node);
+        c.max_nodes = 3;
+        c.settle_ms = 20_000;
+        c
+    };
+    let mut hs = Vec::new();
+    for n in ["a", "b", "c"] {
+        hs.push(Rendezvous::join(conf(n)).await.unwrap());
+    }
+    // Three of a maximum of three: frozen at once.
+    let g1 = next(&mut hs[0], 10_000).await;
+    assert_eq!(g1.members.len(), 3);
+    until(&hs[0], 2_000, "a leader", |s| s.leader.is_some()).await;
+    let leader = hs[0].snapshot().leader.unwrap();
+    let i = hs.iter().position(|h| h.node_id() == leader).unwrap();
+    let drained = hs.remove(i);
+    for h in &mut hs {
+        assert_eq!(next(h, 5_000).await, g1);
+    }
+    drained.request_drain().await.unwrap();
+    for h in &hs {
+        until(h, 2_000, "the leader draining", |s| {
+            s.draining.contains(&leader)
+        })
+        .await;
+    }
+    let t0 = Instant::now();
+    drained.leave().await.unwrap();
+    let g2 = next(&mut hs[0], 10_000).await;
+    println!(
+        "re-formed {} ms after the drained leader left",
+        t0.elapsed().as_millis()
+    );
+    assert_eq!(g2.members.len(), 2, "{g2:?}");
+    assert!(!ids(&g2).contains(&leader.as_str()));
+    assert_eq!(next(&mut hs[1], 5_000).await, g2);
+    for h in hs {
+        h.leave().await.unwrap();
+    }
+}
+
 /// A commit the leader's agent saw in the store but could not record (etcd was down when it
 /// reported it) is recorded with the next generation, which resumes from it: the survivors of
 /// a drain during an etcd restart do not redo the steps the drain saved.
