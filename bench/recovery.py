@@ -15,7 +15,10 @@ One run per invocation; prints one JSON object on stdout.
 - elastic: `elastic-run --rdzv-backend etcd-v3` on one local etcd, checkpoint every
   --checkpoint-interval steps to file://. Times come from the agents' --events-file: recovery
   = the survivors' `first_step` of the next generation (the later of the two) minus the kill
-  time; steps redone = that generation's `prev_last_step - resume_step`.
+  time; steps redone = that generation's `prev_last_step - resume_step`; after a SIGTERM,
+  `after_drained_commit_s` = that first step minus the commit of the victim's drained step.
+  `step_ms`: the median time per step of rank 0 before the kill (the steady state, where
+  elastic-in-place's vote and gradient averaging differ from DDP's).
 - torchrun: `python -m torch.distributed.run --nnodes 2:3 --max-restarts 3` with its c10d
   rendezvous (the store hosted by the first node, which is never the victim), or its etcd (v2
   API) backend against etcd started with --enable-v2. ddp_train.py has no checkpoints there
@@ -207,6 +210,7 @@ def run_elastic(a, tmp):
 
         wait_for(reached, f"step {a.kill_at}", nodes=nodes)
         t_kill = now_ms()
+        step_ms = steady_step_ms(nodes[0], g_full["ts_ms"], t_kill)
         if a.signal == "KILL":
             victim.kill_tree(signal.SIGKILL)
         else:
@@ -241,7 +245,14 @@ def run_elastic(a, tmp):
         commits = [e["step"] for n in ev for e in ev[n] if e["event"] == "checkpoint_committed" and e["ts_ms"] <= t_kill]
         prev_last = max(gg.get("prev_last_step") or 0 for gg, _, _ in rec.values())
         resume = g.get("resume_step") or 0
+        # A drain: from the commit of the victim's drained step to the survivors' first step.
+        left = [e.get("step") for e in ev[victim.name] if e["event"] == "left" and e.get("step") is not None]
+        drained_commit = min((e["ts_ms"] for n in ev for e in ev[n]
+                              if e["event"] == "checkpoint_committed" and left and e["step"] == left[0]), default=None)
         return {
+            "after_drained_commit_s": None if drained_commit is None else (first_ms - drained_commit) / 1000.0,
+            "drained_step": left[0] if left else None,
+            "step_ms": step_ms,
             "recovery_s": (first_ms - t_kill) / 1000.0,
             "new_generation_s": (gen_ms - t_kill) / 1000.0,
             "workers_started_s": (started_ms - t_kill) / 1000.0,
@@ -259,6 +270,14 @@ def run_elastic(a, tmp):
         for n in nodes:
             n.stop()
         etcd.stop()
+
+
+def steady_step_ms(node, since_ms, until_ms):
+    """The median time between consecutive steps rank 0 printed (on ``node``) in the full
+    generation before the kill, leaving out its first 5 steps (warm-up): the steady state."""
+    pts = [(ts, s) for ts, s in node.steps() if since_ms <= ts <= until_ms]
+    gaps = sorted((t2 - t1) / (s2 - s1) for (t1, s1), (t2, s2) in zip(pts[5:], pts[6:]) if s2 > s1)
+    return round(gaps[len(gaps) // 2], 2) if gaps else None
 
 
 def cold_start_s(ev, g_full):
@@ -329,6 +348,7 @@ def run_torchrun(a, tmp):
 
         wait_for(reached, f"step {a.kill_at}", nodes=nodes)
         t_kill = now_ms()
+        step_ms = steady_step_ms(nodes[0], g_full["ts_ms"], t_kill)
         if a.signal == "KILL":
             victim.kill_tree(signal.SIGKILL)
         else:

@@ -308,12 +308,17 @@ def table_recovery(rows):
             n_in_place = sum(1 for r in ok if r.get("in_place"))
             detail = (f"new generation {fmt_s(med(ok, 'new_generation_s'))}; {n_in_place}/{len(ok)} switched in place "
                       f"(the rest restarted); first step after: {med(ok, 'first_step_after')}")
+            drained = [r for r in ok if r.get("after_drained_commit_s") is not None]
+            if drained:
+                detail += f"; after the drained step's commit {fmt_s(med(drained, 'after_drained_commit_s'))}"
         elif system == "elastic":
             detail = (f"new generation {fmt_s(med(ok, 'new_generation_s'))}, workers started "
                       f"{fmt_s(med(ok, 'workers_started_s'))}, cold start of a worker group {fmt_s(med(ok, 'cold_start_s'))}; "
                       f"resumed from step {med(ok, 'resume_step')}") if ok else ""
         else:
             detail = f"restarted at step {med(ok, 'first_step_after')}" if ok else ""
+        if system.startswith("elastic") and ok and med(ok, "step_ms") is not None:
+            detail += f"; steady step {med(ok, 'step_ms'):.1f} ms"
         errs = sorted({r.get("error", "")[:160] for r in rs if not r.get("recovered")})
         if errs:
             detail += ("; " if detail else "") + "failed: " + " / ".join(errs)
