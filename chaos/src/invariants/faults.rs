@@ -4,7 +4,7 @@
 pub use super::effects::effects;
 use super::{Check, Fired, drain};
 use crate::events::{Event, Record};
-use crate::scenario::{FaultKind, Scenario};
+use crate::scenario::{FaultKind, Scenario, StoreKind};
 
 /// Checkpoint intervals a node's training may run ahead of its newest commit: the step being
 /// committed, one queued, one held by the agent loop, one in the socket channel, and the one a
@@ -66,7 +66,9 @@ fn steps_in_store_time(s: &Scenario, events: &[Record], t: u64) -> u64 {
 ///    interval for each checkpoint that a full staging filesystem made the job give up
 ///    since its newest commit: those steps were never committed anywhere. Otherwise a crash
 ///    loses at most one interval plus the steps trained while the store took the checkpoint
-///    before it ([`steps_in_store_time`]), never more than the pipeline's depth. A
+///    before it ([`steps_in_store_time`]), never more than the pipeline's depth. A partition
+///    or blackhole of a node on an S3 store is store trouble of its own (the node's way to the
+///    store is cut): up to the pipeline's depth. A
 ///    preemption's bound of 0 is not widened by any of these: its drained step commits
 ///    regardless; it gets the crash's bound only when nothing was left to save (the node
 ///    fenced or cut off, a peer fenced, or cut off before its drain began, a staging filesystem full,
@@ -87,7 +89,12 @@ pub(super) fn lost_work_bounded(s: &Scenario, events: &[Record], fired: &[Fired]
             _ => 0,
         };
         let pipeline = s.checkpoint_interval * COMMIT_PIPELINE_CHECKPOINTS;
-        let crash_bound = if backlog {
+        // A partition or a blackhole cuts the node off from an S3 store too (its store proxy):
+        // no commit of its lands while it lasts, and its workers may train on until the fence
+        // stops them (nothing blocks the collectives of a node that trains alone).
+        let cut_from_store = matches!(e.kind, FaultKind::Partition | FaultKind::Blackhole)
+            && s.store == StoreKind::S3;
+        let crash_bound = if backlog || cut_from_store {
             pipeline
         } else {
             pipeline.min(s.checkpoint_interval.saturating_add(steps_in_store_time(
@@ -261,6 +268,30 @@ mod tests {
         k[0].at_unix_ms += 100_000;
         f.extend(k);
         assert!(!lost_work_check(&s, &evs_late, &f).ok);
+    }
+
+    #[test]
+    fn a_partition_that_cuts_a_node_off_from_an_s3_store_may_lose_the_commit_backlog() {
+        // The fault at 3500 ms costs 13 steps (resume 0): more than one interval of 5.
+        let mut evs = events();
+        set_resume_step(&mut evs[4], 0);
+        for kind in [FaultKind::Partition, FaultKind::Blackhole] {
+            let f = fired(kind);
+            assert!(
+                !lost_work_check(&scenario(), &evs, &f).ok,
+                "{kind:?}, file store: 13 > 5"
+            );
+            let mut s3 = scenario();
+            s3.store = StoreKind::S3;
+            assert!(
+                lost_work_check(&s3, &evs, &f).ok,
+                "{kind:?}, S3: 13 <= 5 intervals"
+            );
+        }
+        // A crash on S3 is not store trouble.
+        let mut s3 = scenario();
+        s3.store = StoreKind::S3;
+        assert!(!lost_work_check(&s3, &evs, &fired(FaultKind::SigkillAgent)).ok);
     }
 
     #[test]
