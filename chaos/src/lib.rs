@@ -28,7 +28,7 @@
 //! - `src/main.rs`: `elastic-chaos run SCENARIO` and `elastic-chaos soak --minutes N`.
 //! - `scenarios/`: the CI campaign (SIGKILL, preemption, partition, store outage, store
 //!   slowness and errors with a SIGKILL, a fixed-batch shrink compared with a reference run,
-//!   a fenced node that joins again after the last leader left);
+//!   a fenced node that joins again after the last leader left, store faults in place);
 //!   `tests/campaign.rs` runs it.
 
 pub mod events;

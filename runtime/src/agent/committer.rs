@@ -182,6 +182,28 @@ impl Committer {
         done
     }
 
+    /// Starts a new era for the steps queued from now on, and cancels the steps of the old
+    /// one still pending after `limit`, in the background (the caller goes on at once).
+    pub(super) fn retire_era(&mut self, limit: Duration) {
+        let old = std::mem::replace(&mut self.era, CancellationToken::new());
+        let mut pending = self.pending.clone();
+        tokio::spawn(
+            async move {
+                if tokio::time::timeout(limit, pending.wait_for(|n| *n == 0))
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!(
+                        limit_ms = limit.as_millis() as u64,
+                        "checkpoint commits of the previous generation did not finish in time; cancelling them"
+                    );
+                }
+                old.cancel();
+            }
+            .in_current_span(),
+        );
+    }
+
     pub(super) fn latest(&self) -> Option<u64> {
         self.committed.borrow().map(|c| c.step)
     }

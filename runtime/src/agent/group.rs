@@ -10,7 +10,7 @@ use elastic::Generation;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
-use super::committer::{BETWEEN_GENERATIONS_FLUSH_MS, give_up_step, tracker_complete};
+use super::committer::{BETWEEN_GENERATIONS_FLUSH_MS, Committer, give_up_step, tracker_complete};
 use super::decide::{DrainOf, StopWhy, must_stop};
 use super::drain::start_drain;
 use super::membership::{Membership, fenced_metrics, leave};
@@ -220,7 +220,7 @@ impl Agent {
                         }
                     }
                     if let Some(sw) = switching.take_if(|sw| sw.done(state)) {
-                        (view, running_gen) = complete_switch(node, membership, sw, last_step_reached);
+                        (view, running_gen) = complete_switch(node, membership, committer, running_gen.as_deref(), sw, last_step_reached);
                         peer_drain_in_place = false;
                         // The next step reported is the new generation's first, and what etcd
                         // showed meanwhile is judged against the new generation.
@@ -259,7 +259,7 @@ impl Agent {
                             if let Some(sw) = switching.take_if(|sw| sw.done(state)) {
                                 // The workers finished the switch already: the node runs that
                                 // generation, then judges this view against it.
-                                (view, running_gen) = complete_switch(node, membership, sw, last_step_reached);
+                                (view, running_gen) = complete_switch(node, membership, committer, running_gen.as_deref(), sw, last_step_reached);
                         peer_drain_in_place = false;
                                 first_step_seen = false;
                                 if let Some(rx) = snap_rx.as_mut() {
@@ -369,6 +369,8 @@ impl Switch {
 fn complete_switch(
     node: &super::Node,
     membership: &mut Membership,
+    committer: &mut Committer,
+    old: Option<&Generation>,
     sw: Switch,
     last_step_reached: &mut Option<u64>,
 ) -> (GenerationView, Option<Arc<Generation>>) {
@@ -376,6 +378,18 @@ fn complete_switch(
         && let Some(h) = m.handle.as_mut()
     {
         h.mark_joined(&sw.generation);
+    }
+    // A step of the old generation waits for every rank's part: one a lost member never
+    // uploaded cannot complete, and would hold the commits behind it until its deadline.
+    // As between generations of the restart path, what is still pending a short while after
+    // the switch is cancelled (in the background: the workers train on meanwhile).
+    if let Some(old) = old
+        && old
+            .members
+            .iter()
+            .any(|m| sw.generation.member(&m.node_id).is_none())
+    {
+        committer.retire_era(Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS));
     }
     let reached = node.state.step_before_switch();
     *last_step_reached = reached.or(*last_step_reached);
