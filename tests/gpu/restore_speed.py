@@ -21,7 +21,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -30,6 +29,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "runtime", "python"))
 import elastic_run as er  # noqa: E402
 from elastic_run import _read  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 
 
 def restore_layout(staging, step, out):
@@ -102,16 +104,6 @@ def check_correctness(root):
     shutil.rmtree(resume, ignore_errors=True)
 
 
-def build(gib, seed):
-    torch.manual_seed(seed)
-    n = int(gib * (1 << 30) / 4)
-    width = 8192
-    layers = max(1, n // (width * width))
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).cuda()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    return model, opt
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--gib", type=float, default=2.0)
@@ -119,23 +111,17 @@ def main():
     p.add_argument("--dir", default=None)
     a = p.parse_args()
     assert torch.cuda.is_available(), "no CUDA device"
-    root = a.dir or tempfile.mkdtemp(prefix="restore-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    os.makedirs(root, exist_ok=True)
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29534", "RANK": "0", "WORLD_SIZE": "1"})
-    os.environ.pop("ELASTIC_AGENT_SOCKET", None)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    root = _common.scratch("restore-", a.dir, 29534)
     check_correctness(root)
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model, opt = build(a.gib, 0)
-    model(torch.randn(4, 8192, device="cuda")).sum().backward()
+    model, opt = _common.build(a.gib, "cuda", seed=0)
+    model(torch.randn(4, _common.WIDTH, device="cuda")).sum().backward()
     opt.step()
     torch.cuda.synchronize()
-    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    state_bytes += sum(v.numel() * v.element_size() for s in opt.state_dict()["state"].values()
-                       for v in s.values() if torch.is_tensor(v))
+    state_bytes = _common.state_bytes(model, opt)
     print(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                       "state_bytes": state_bytes}), flush=True)
     staging = os.path.join(root, "staging")
@@ -150,7 +136,7 @@ def main():
     torch.cuda.empty_cache()
 
     # One fresh model and optimizer, reused: each restore overwrites them.
-    model, opt = build(a.gib, 1)
+    model, opt = _common.build(a.gib, "cuda", seed=1)
 
     def run_er():
         er.load({"model": model, "optim": opt}, resume_dir=er_dir)

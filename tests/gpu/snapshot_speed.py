@@ -15,7 +15,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -24,15 +23,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "runtime", "python"))
 import elastic_run as er  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
 
 def build(gib, device):
-    n = int(gib * (1 << 30) / 4)
-    width = 8192
-    layers = max(1, n // (width * width))
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x = torch.randn(4, width, device=device)
-    model(x).sum().backward()
+    model, opt = _common.build(gib, device)
+    model(torch.randn(4, _common.WIDTH, device=device)).sum().backward()
     opt.step()
     torch.cuda.synchronize()
     return model, opt
@@ -45,13 +42,9 @@ def main():
     p.add_argument("--dir", default=None)
     a = p.parse_args()
     assert torch.cuda.is_available(), "no CUDA device"
-    root = a.dir or tempfile.mkdtemp(prefix="snap-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    os.makedirs(root, exist_ok=True)
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "WORLD_SIZE": "1"})
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    root = _common.scratch("snap-", a.dir, 29533)
     model, opt = build(a.gib, "cuda")
-    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    state_bytes += sum(v.numel() * v.element_size() for s in opt.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v))
+    state_bytes = _common.state_bytes(model, opt)
     print(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "state_bytes": state_bytes}), flush=True)
 
     def run_er(i):
