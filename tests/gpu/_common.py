@@ -36,3 +36,43 @@ def scratch(prefix, directory, port):
     os.environ.pop("ELASTIC_AGENT_SOCKET", None)
     dist.init_process_group("gloo", rank=0, world_size=1)
     return root
+
+
+def parse_args():
+    """``--gib`` (model size), ``--repeat`` (runs of each method), ``--dir`` (scratch)."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--gib", type=float, default=2.0)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dir", default=None)
+    return p.parse_args()
+
+
+def compare(fns, repeat, nbytes, after_each=None):
+    """Times each of ``fns`` (name -> fn(i), the first one elastic-run's, then torch's, then
+    DCP's), ``repeat`` times, alternating, the device synchronized around each run; prints a
+    JSON line per run and a summary with medians and the ratios to the first."""
+    import json
+    import statistics
+    import time
+
+    results = {k: [] for k in fns}
+    for i in range(repeat):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(i)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            results[name].append(dt)
+            print(json.dumps({"what": name, "i": i, "s": round(dt, 3), "GBps": round(nbytes / dt / 1e9, 2)}),
+                  flush=True)
+            if after_each is not None:
+                after_each()
+    med = {k: statistics.median(v) for k, v in results.items()}
+    er, torch_, dcp = list(med)
+    print(json.dumps({"summary": {k: {"median_s": round(v, 3), "GBps": round(nbytes / v / 1e9, 2)}
+                                  for k, v in med.items()},
+                      "ratio_dcp_over_er": round(med[dcp] / med[er], 2),
+                      "ratio_torch_over_er": round(med[torch_] / med[er], 2)}), flush=True)

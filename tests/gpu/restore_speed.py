@@ -15,13 +15,10 @@
 
     python tests/gpu/restore_speed.py --gib 2 --repeat 3
 """
-import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -105,11 +102,7 @@ def check_correctness(root):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--gib", type=float, default=2.0)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--dir", default=None)
-    a = p.parse_args()
+    a = _common.parse_args()
     assert torch.cuda.is_available(), "no CUDA device"
     root = _common.scratch("restore-", a.dir, 29534)
     check_correctness(root)
@@ -138,37 +131,22 @@ def main():
     # One fresh model and optimizer, reused: each restore overwrites them.
     model, opt = _common.build(a.gib, "cuda", seed=1)
 
-    def run_er():
+    def run_er(i):
         er.load({"model": model, "optim": opt}, resume_dir=er_dir)
 
-    def run_torch():
+    def run_torch(i):
         sd = torch.load(os.path.join(root, "t.pt"), map_location="cuda", weights_only=True)
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optim"])
 
-    def run_dcp():
+    def run_dcp(i):
         msd, osd = get_state_dict(model, opt)
         sd = {"model": msd, "optim": osd}
         dcp.load(sd, checkpoint_id=os.path.join(root, "dcp"))
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
-    fns = {"elastic_run.load": run_er, "torch.load": run_torch, "dcp.load": run_dcp}
-    results = {k: [] for k in fns}
-    for i in range(a.repeat):
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            results[name].append(dt)
-            print(json.dumps({"what": name, "i": i, "s": round(dt, 3), "GBps": round(state_bytes / dt / 1e9, 2)}),
-                  flush=True)
-    med = {k: statistics.median(v) for k, v in results.items()}
-    print(json.dumps({"summary": {k: {"median_s": round(v, 3), "GBps": round(state_bytes / v / 1e9, 2)}
-                                  for k, v in med.items()},
-                      "ratio_dcp_over_er": round(med["dcp.load"] / med["elastic_run.load"], 2),
-                      "ratio_torch_over_er": round(med["torch.load"] / med["elastic_run.load"], 2)}), flush=True)
+    _common.compare({"elastic_run.load": run_er, "torch.load": run_torch, "dcp.load": run_dcp}, a.repeat,
+                    state_bytes)
     dist.destroy_process_group()
     shutil.rmtree(root, ignore_errors=True)
 

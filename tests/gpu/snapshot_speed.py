@@ -9,13 +9,10 @@ Prints one JSON line per measurement and a summary with medians and ratios.
 
     python tests/gpu/snapshot_speed.py --gib 2 --repeat 3 --dir /dev/shm/snap
 """
-import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -36,11 +33,7 @@ def build(gib, device):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--gib", type=float, default=2.0)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--dir", default=None)
-    a = p.parse_args()
+    a = _common.parse_args()
     assert torch.cuda.is_available(), "no CUDA device"
     root = _common.scratch("snap-", a.dir, 29533)
     model, opt = build(a.gib, "cuda")
@@ -58,23 +51,13 @@ def main():
         import torch.distributed.checkpoint as dcp
         dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=os.path.join(root, f"dcp{i}"))
 
-    results = {"elastic_run.save": [], "torch.save": [], "dcp.save": []}
-    fns = {"elastic_run.save": run_er, "torch.save": run_torch, "dcp.save": run_dcp}
-    for i in range(a.repeat):
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn(i)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            results[name].append(dt)
-            print(json.dumps({"what": name, "i": i, "s": round(dt, 3), "GBps": round(state_bytes / dt / 1e9, 2)}), flush=True)
-            for e in os.listdir(root):
-                shutil.rmtree(os.path.join(root, e), ignore_errors=True) if os.path.isdir(os.path.join(root, e)) else os.remove(os.path.join(root, e))
-    med = {k: statistics.median(v) for k, v in results.items()}
-    print(json.dumps({"summary": {k: {"median_s": round(v, 3), "GBps": round(state_bytes / v / 1e9, 2)} for k, v in med.items()},
-                      "ratio_dcp_over_er": round(med["dcp.save"] / med["elastic_run.save"], 2),
-                      "ratio_torch_over_er": round(med["torch.save"] / med["elastic_run.save"], 2)}), flush=True)
+    def clear():
+        for e in os.listdir(root):
+            p = os.path.join(root, e)
+            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
+
+    _common.compare({"elastic_run.save": run_er, "torch.save": run_torch, "dcp.save": run_dcp}, a.repeat,
+                    state_bytes, after_each=clear)
     dist.destroy_process_group()
     shutil.rmtree(root, ignore_errors=True)
 
