@@ -459,6 +459,10 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
     // A generation below `min` (only possible when `min` was raised between runs) is re-formed
     // like one that lost members.
     let undersized = (current.len() as u32) < cfg.min_nodes;
+    // A member draining is saving with the others: the draining rule keeps the generation.
+    let draining_now = current
+        .iter()
+        .any(|id| matches!(by_id.get(id.as_str()), Some(m) if m.state == MemberState::Draining));
     if !lost.is_empty() || undersized {
         let mut members: Vec<String> = current
             .iter()
@@ -479,9 +483,7 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
         // went; another one still draining would start a settle of its own when it goes.
         let all_drained = !lost.is_empty()
             && lost.iter().all(|id| drained.contains(id.as_str()))
-            && !current.iter().any(
-                |id| matches!(by_id.get(id.as_str()), Some(m) if m.state == MemberState::Draining),
-            );
+            && !draining_now;
         let reason = if lost.is_empty() {
             Reason::Undersized {
                 size: current.len() as u32,
@@ -496,10 +498,6 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
         return freeze_settled(members, reason);
     }
 
-    // A member draining is saving with the others: the draining rule keeps the generation.
-    let draining_now = current
-        .iter()
-        .any(|id| matches!(by_id.get(id.as_str()), Some(m) if m.state == MemberState::Draining));
     if let Some(r) = &input.regroup
         && input.current.is_some()
         && r.generation == input.current_number

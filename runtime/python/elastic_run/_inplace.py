@@ -60,7 +60,7 @@ import time
 
 from . import _state, protocol
 from ._connection import _Agent, _agent_conn
-from ._env import local_rank
+from ._env import _env_int, local_rank
 from .protocol import FormatError, _get, _get_int, _msg_collective_failed, _msg_switched, _msg_watch
 
 
@@ -451,8 +451,8 @@ class InPlace:
         agent's answer (``asked``)."""
         from ._env import local_rank
 
-        nodes = min(max(_env_int("GROUP_WORLD_SIZE", 1), 1), protocol.WORLD_SIZE_MAX)
-        me = _env_int("GROUP_RANK", 0)
+        nodes = _env_int("GROUP_WORLD_SIZE", 1, 1, protocol.WORLD_SIZE_MAX)
+        me = _env_int("GROUP_RANK", 0, 0)
         if not 0 <= me < nodes:
             return True
         flags = [0] * nodes
@@ -641,13 +641,6 @@ class _StepBlock:
             self.ip.failed = e
             return True
         return False
-
-
-def _env_int(name, default):
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 def _abort_nccl(group, timeout_s=None):

@@ -260,7 +260,7 @@ impl Agent {
                                 // The workers finished the switch already: the node runs that
                                 // generation, then judges this view against it.
                                 (view, running_gen) = complete_switch(node, membership, committer, running_gen.as_deref(), sw, last_step_reached);
-                        peer_drain_in_place = false;
+                                peer_drain_in_place = false;
                                 first_step_seen = false;
                                 if let Some(rx) = snap_rx.as_mut() {
                                     rx.mark_changed();

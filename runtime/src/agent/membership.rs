@@ -78,9 +78,9 @@ impl EtcdMember {
     }
 
     /// Joins again after a fence, until it works or the deadline passes. The store's newest
-    /// committed step is read before each attempt: while this node was out, the others may have committed
-    /// newer steps, retired the ones it knows of, and left, taking `ctl/commit` (held on their
-    /// leader's lease) with them. Should this node lead the next generation alone, it resumes
+    /// committed step is read before each attempt: while this node was out, the others may
+    /// have committed newer steps, retired the ones it knows of, and left, taking `ctl/commit`
+    /// (held on their leader's lease) with them. Should this node lead the next generation alone, it resumes
     /// from the store's newest step, not from a step it saw before the fence.
     pub(super) async fn rejoin(&mut self, node: &Node) -> Result<()> {
         let events = &node.events;
