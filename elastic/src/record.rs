@@ -24,6 +24,11 @@ pub struct RankedMember {
     pub nproc: u32,
     /// Global rank of this node's local rank 0 (the sum of `nproc` of the nodes before it).
     pub rank_offset: u32,
+    /// It was a member of the generation this one replaced: its workers may hold the job's
+    /// state in memory (recovery in place), so a member that is not continuing can heal from
+    /// it instead of reading the checkpoint store.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub continuing: bool,
 }
 
 /// A frozen generation: who is in the job, in which order, and with what scaling.
@@ -63,6 +68,14 @@ impl Generation {
     /// Node ids in rank order.
     pub fn node_ids(&self) -> Vec<String> {
         self.members.iter().map(|m| m.node_id.clone()).collect()
+    }
+
+    /// Whether a member other than `node_id` continues from the generation before: its
+    /// workers may hold the job's state for `node_id`'s to take.
+    pub fn continues_besides(&self, node_id: &str) -> bool {
+        self.members
+            .iter()
+            .any(|m| m.continuing && m.node_id != node_id)
     }
 
     /// Checks the invariants a reader relies on.

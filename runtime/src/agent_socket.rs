@@ -15,12 +15,15 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{Semaphore, mpsc, watch};
-use worker::protocol::{MESSAGE_BYTES_MAX, Reply, WATCH_HOLD_MS};
+use worker::protocol::{MESSAGE_BYTES_MAX, Reply, Request, WATCH_HOLD_MS};
 
 use crate::state::{AgentState, Received};
 
-/// While a worker waits to hand over a part, the hang watchdog hears from the agent this often.
+/// While a worker waits for the agent (a part to hand over, a restore), the hang watchdog hears
+/// from the agent this often.
 const BACKPRESSURE_TICK_MS: u64 = 1_000;
+/// What a `restore` request's line holds (its type's value, quoted).
+const RESTORE_TYPE: &[u8] = b"\"restore\"";
 /// Most worker connections served at once; workers hold one each.
 pub const CONNECTIONS_MAX: usize = 4 * crate::cli::NPROC_PER_NODE_MAX as usize;
 
@@ -93,6 +96,10 @@ async fn serve_connection(
             send(&mut write, &Reply::Error { message }).await?;
             return Ok(());
         }
+        if let Some(reply) = restore_on_demand(state, &line, &mut shutdown).await {
+            send(&mut write, &reply).await?;
+            continue;
+        }
         // Before the request is handled, so that no change between the two is missed.
         let changes = state.in_place_changes();
         let reply = match state.handle_line(&line) {
@@ -155,6 +162,44 @@ async fn hand_over_part(
             std::sync::atomic::Ordering::Relaxed,
         );
     r
+}
+
+/// A `restore` request: the node's restore of the step it joined at, run once for all its
+/// ranks, awaited here. The wait counts as progress for the hang watchdog (the agent holds the
+/// worker). None when `line` is another request.
+async fn restore_on_demand(
+    state: &AgentState,
+    line: &[u8],
+    shutdown: &mut watch::Receiver<bool>,
+) -> Option<Reply> {
+    // Every request passes here: only a line that names the type is parsed twice.
+    if !line.windows(RESTORE_TYPE.len()).any(|w| w == RESTORE_TYPE) {
+        return None;
+    }
+    let Ok(Request::Restore { rank, step }) = serde_json::from_slice::<Request>(line) else {
+        return None;
+    };
+    let job = match state.on_demand_restore(rank, step) {
+        Ok(job) => job,
+        Err(message) => return Some(Reply::Error { message }),
+    };
+    let restore = job.restore();
+    tokio::pin!(restore);
+    let mut tick = tokio::time::interval(Duration::from_millis(BACKPRESSURE_TICK_MS));
+    let outcome = loop {
+        tokio::select! {
+            r = &mut restore => break r,
+            () = stopped(shutdown) => break Err("agent is shutting down".to_string()),
+            _ = tick.tick() => state.note_agent_progress(),
+        }
+    };
+    Some(match outcome {
+        Ok(point) => Reply::Restored {
+            step: point.step,
+            dir: point.dir.to_string_lossy().into_owned(),
+        },
+        Err(message) => Reply::Error { message },
+    })
 }
 
 /// A `watch` with nothing new to say is held until an offer is made or withdrawn, a switch
@@ -284,6 +329,96 @@ mod tests {
         let mut out = String::new();
         conn.read_line(&mut out).await.unwrap();
         serde_json::from_str(&out).unwrap_or_else(|e| panic!("{out:?}: {e}"))
+    }
+
+    /// A restore that takes `ms` and counts its runs.
+    #[derive(Debug)]
+    struct SlowRestore {
+        ms: u64,
+        runs: std::sync::atomic::AtomicU32,
+        cancelled: std::sync::atomic::AtomicBool,
+        outcome: tokio::sync::OnceCell<Result<crate::worker_env::ResumePoint, String>>,
+    }
+
+    impl crate::state::OnDemandRestore for SlowRestore {
+        fn step(&self) -> u64 {
+            40
+        }
+
+        fn restore(&self) -> crate::state::RestoreFuture<'_> {
+            Box::pin(async move {
+                self.outcome
+                    .get_or_init(|| async {
+                        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(self.ms)).await;
+                        Ok(crate::worker_env::ResumePoint {
+                            step: 30,
+                            dir: "/s/.restore/step-30".into(),
+                            bytes_from_store: 4096,
+                        })
+                    })
+                    .await
+                    .clone()
+            })
+        }
+
+        fn cancel(&self) {
+            self.cancelled
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_restore_runs_once_for_every_rank_that_asks_and_feeds_the_watchdog() {
+        let h = harness().await;
+        let mut c = BufReader::new(UnixStream::connect(&h.socket).await.unwrap());
+        let none = roundtrip(&mut c, "{\"type\":\"restore\",\"rank\":2,\"step\":40}\n").await;
+        assert_eq!(
+            none["type"], "error",
+            "nothing to restore on demand: {none}"
+        );
+        let job = Arc::new(SlowRestore {
+            ms: BACKPRESSURE_TICK_MS + 300,
+            runs: Default::default(),
+            cancelled: Default::default(),
+            outcome: Default::default(),
+        });
+        h.state.set_on_demand_restore(Some(job.clone()));
+        for (line, why) in [
+            (
+                "{\"type\":\"restore\",\"rank\":2,\"step\":41}\n",
+                "joined at step 40",
+            ),
+            (
+                "{\"type\":\"restore\",\"rank\":7,\"step\":40}\n",
+                "not one of this node's ranks",
+            ),
+        ] {
+            let r = roundtrip(&mut c, line).await;
+            assert_eq!(r["type"], "error", "{r}");
+            assert!(r["message"].as_str().unwrap().contains(why), "{r}");
+        }
+        let mut d = BufReader::new(UnixStream::connect(&h.socket).await.unwrap());
+        let (r2, r3) = tokio::join!(
+            roundtrip(&mut c, "{\"type\":\"restore\",\"rank\":2,\"step\":40}\n"),
+            roundtrip(&mut d, "{\"type\":\"restore\",\"rank\":3,\"step\":40}\n"),
+        );
+        let want =
+            serde_json::json!({"type": "restored", "step": 30, "dir": "/s/.restore/step-30"});
+        assert_eq!((&r2, &r3), (&want, &want));
+        assert_eq!(job.runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert!(
+            h.state.last_progress().is_some(),
+            "the wait counts as progress"
+        );
+        assert!(h.state.client_seen());
+        // The connection serves other requests after it.
+        let q = roundtrip(&mut c, "{\"type\":\"query\"}\n").await;
+        assert_eq!(q["type"], "state", "{q}");
+        // The next worker group replaces it: a restore still under way ends.
+        assert!(!job.cancelled.load(std::sync::atomic::Ordering::SeqCst));
+        h.state.set_on_demand_restore(None);
+        assert!(job.cancelled.load(std::sync::atomic::Ordering::SeqCst));
     }
 
     #[tokio::test]

@@ -8,13 +8,14 @@
 //! |---|---|
 //! | `rdzv_served` | `endpoint` (the c10d rendezvous, `HOST:PORT`), `listen` (the client URL its etcd listens on), `pid` (etcd's): this node serves the rendezvous |
 //! | `joined` | `addr`, `rejoin` (`true`, only when the node joined again after a fence) |
-//! | `generation` | `generation`, `world_size`, `node_rank`, `rank_offset`, `members`, `lr_scale`, `lr`, `batch_size`, `global_batch`, `grad_accum_steps`, `resume_step`, `prev_last_step` (the highest step this node's workers reported before), `frozen_unix_ms` (when the leader froze it; etcd membership only), `in_place` (true when the running workers switched to it without a restart; `resume_step` is then the highest step they had reported; absent otherwise) |
+//! | `generation` | `generation`, `world_size`, `node_rank`, `rank_offset`, `members`, `lr_scale`, `lr`, `batch_size`, `global_batch`, `grad_accum_steps`, `resume_step`, `prev_last_step` (the highest step this node's workers reported before), `frozen_unix_ms` (when the leader froze it; etcd membership only), `in_place` (true when the running workers switched to it without a restart; `resume_step` is then the highest step they had reported; absent otherwise), `restored_bytes` (what its restore of `resume_step` read from the checkpoint store; absent without a restore), `heal_step` (the step this node joined at without restoring it, from members that continue from memory; absent otherwise) |
 //! | `workers_started` | `generation`, `restart_count` |
 //! | `first_step` | `generation`, `step` (the first progress report of a worker group) |
 //! | `checkpoint_committed` | `step`, `generation`, `bytes`, `by_this_node`, `store_ms` (this node's upload and commit time in the store) |
 //! | `checkpoint_skipped` | `step`, `generation`, `rank`, `reason` (a worker could not stage its snapshot: a full staging disk) |
 //! | `staging_too_small` | `step`, `checkpoint_bytes`, `staging_bytes`, `needed_bytes` (at the first checkpoint, when staging cannot hold five of them) |
 //! | `restore_fell_back` | `generation`, `skipped` (newer committed steps that did not verify), `step` (the one restored) |
+//! | `restored_on_demand` | `generation`, `step`, `bytes` (read from the checkpoint store; the node joined without a restore, no live peer held the step, and the agent restored it on its workers' request) |
 //! | `drain_started` | `reason` (`signal`, `notice`, `peer`) |
 //! | `worker_failed` | `generation`, `rank`, `exit_code` |
 //! | `fenced` | `reason` |
@@ -78,6 +79,15 @@ pub enum Event {
         global_batch: Option<u64>,
         grad_accum_steps: u64,
         resume_step: Option<u64>,
+        /// Bytes this node's restore of `resume_step` read from the checkpoint store (0 when it
+        /// reused local bytes; absent when nothing was restored).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        restored_bytes: Option<u64>,
+        /// The step this node joined at without restoring it: the generation's continuing
+        /// members hold it, and the workers take it from them (`restored_on_demand` follows
+        /// when they could not).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        heal_step: Option<u64>,
         /// The highest step this node's workers reported before this generation.
         prev_last_step: Option<u64>,
         /// When the leader froze the generation (its record's creation time); absent in
@@ -127,6 +137,14 @@ pub enum Event {
         skipped: Vec<u64>,
         step: u64,
     },
+    /// The workers of a node that joined without a restore found no live peer holding the
+    /// step, and the agent restored `step` from the store on their request.
+    RestoredOnDemand {
+        generation: u64,
+        step: u64,
+        /// Bytes it read from the checkpoint store.
+        bytes: u64,
+    },
     DrainStarted {
         reason: DrainReason,
     },
@@ -165,6 +183,7 @@ impl Event {
             Event::CheckpointSkipped { .. } => "checkpoint_skipped",
             Event::StagingTooSmall { .. } => "staging_too_small",
             Event::RestoreFellBack { .. } => "restore_fell_back",
+            Event::RestoredOnDemand { .. } => "restored_on_demand",
             Event::DrainStarted { .. } => "drain_started",
             Event::WorkerFailed { .. } => "worker_failed",
             Event::Fenced { .. } => "fenced",
@@ -278,6 +297,8 @@ mod tests {
                 global_batch: Some(32),
                 grad_accum_steps: 1,
                 resume_step: Some(10),
+                restored_bytes: Some(4096),
+                heal_step: Some(10),
                 prev_last_step: Some(13),
                 frozen_unix_ms: Some(1_796_000_000_000),
                 in_place: true,
@@ -313,6 +334,11 @@ mod tests {
                 generation: 4,
                 skipped: vec![30, 20],
                 step: 10,
+            },
+            Event::RestoredOnDemand {
+                generation: 4,
+                step: 30,
+                bytes: 4096,
             },
             Event::DrainStarted {
                 reason: DrainReason::Peer,
@@ -474,6 +500,8 @@ mod tests {
             global_batch: None,
             grad_accum_steps: 1,
             resume_step: None,
+            restored_bytes: None,
+            heal_step: None,
             prev_last_step: None,
             frozen_unix_ms: None,
             in_place: false,
@@ -488,6 +516,8 @@ mod tests {
         ] {
             assert_eq!(g.get(k), Some(&Value::Null), "{k}");
         }
+        // Only a node that joined without a restore says at which step.
+        assert_eq!(g.get("heal_step"), None);
         assert_eq!(
             serde_json::to_value(Event::DrainStarted {
                 reason: DrainReason::Signal

@@ -31,6 +31,9 @@ pub struct Metrics {
     checkpoint_commit_micros_total: AtomicU64,
     /// Time workers spent waiting in `saved` because earlier checkpoints were not committed.
     pub checkpoint_backpressure_micros_total: AtomicU64,
+    /// Bytes read from the checkpoint store by restores (before the workers start, or on their
+    /// request).
+    pub restore_bytes_total: AtomicU64,
     /// Step + 1 of the newest commit; 0 = none yet.
     committed_step_plus_one: AtomicU64,
     pub drains_total: AtomicU64,
@@ -178,6 +181,12 @@ impl Metrics {
             "counter",
             "Bytes of committed checkpoints.",
             get(&self.checkpoint_bytes_total).to_string(),
+        );
+        metric(
+            "elastic_restore_bytes_total",
+            "counter",
+            "Bytes read from the checkpoint store by restores.",
+            get(&self.restore_bytes_total).to_string(),
         );
         metric(
             "elastic_checkpoint_backpressure_seconds_total",

@@ -45,7 +45,9 @@ pub struct Received {
 }
 
 mod in_place;
+mod restore;
 pub use in_place::InPlaceOffer;
+pub use restore::{OnDemandRestore, RestoreFuture};
 
 /// What the agent tells workers, and what it learned from them. Shared between the socket
 /// server, the supervisor (watchdog) and the agent loop. The lock is never held across an
@@ -87,6 +89,9 @@ struct Inner {
     left: Option<String>,
     /// Recovery in place: who watches, the offer, the switch under way.
     in_place: in_place::InPlace,
+    /// The restore the workers may ask for: set when the node joined a generation without
+    /// restoring its resume step (its continuing members hold it).
+    on_demand: Option<std::sync::Arc<dyn OnDemandRestore>>,
     /// Why the store refused a step this node staged (a manifest over the read limit...):
     /// the next `saved` is answered with it, so the worker's save fails with the reason
     /// instead of the refusal staying in the agent's log.
@@ -112,6 +117,7 @@ impl AgentState {
                 resume: None,
                 left: None,
                 in_place: Default::default(),
+                on_demand: None,
                 refused: None,
             }),
             in_place_changes: tokio::sync::watch::Sender::new(0),
@@ -222,6 +228,37 @@ impl AgentState {
 
     pub fn resume(&self) -> Option<ResumePoint> {
         self.lock().resume.clone()
+    }
+
+    /// The restore the next worker group may ask for (None: it may not, its step was restored
+    /// before it started or it has none).
+    pub fn set_on_demand_restore(&self, r: Option<std::sync::Arc<dyn OnDemandRestore>>) {
+        let old = std::mem::replace(&mut self.lock().on_demand, r);
+        if let Some(old) = old {
+            old.cancel();
+        }
+    }
+
+    /// The restore rank `rank` asks for, of `step`: it must be this node's rank, and the step
+    /// the node joined at without restoring it.
+    pub fn on_demand_restore(
+        &self,
+        rank: u32,
+        step: u64,
+    ) -> Result<std::sync::Arc<dyn OnDemandRestore>, String> {
+        let mut s = self.lock();
+        check_rank(&s.ranks, rank)?;
+        s.client_seen = true;
+        let r = s.on_demand.clone().ok_or_else(|| {
+            format!("restore of step {step}: this node's workers started with their step restored (or none to restore); there is nothing to restore on demand")
+        })?;
+        if r.step() != step {
+            return Err(format!(
+                "restore of step {step}: this node joined at step {}",
+                r.step()
+            ));
+        }
+        Ok(r)
     }
 
     /// The agent itself holds the workers' step (a `saved` waiting for room in the commit
@@ -345,6 +382,10 @@ impl AgentState {
                     self.in_place_changed();
                 }
                 Ok((Reply::Ok, None))
+            }
+            // Served by the socket (`agent_socket`), which awaits the restore: never here.
+            Request::Restore { step, .. } => {
+                Err(format!("restore of step {step}: not served on this path"))
             }
             Request::Query {} => Ok((
                 Reply::State {

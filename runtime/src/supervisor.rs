@@ -662,6 +662,7 @@ mod tests {
             master_port: 1,
             scaling: elastic::ScalingDecision::identity(),
             resume: None,
+            heal_step: None,
         }
     }
 

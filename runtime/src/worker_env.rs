@@ -20,6 +20,9 @@ pub const RUN_ID_ENV: &str = "TORCHELASTIC_RUN_ID";
 pub struct ResumePoint {
     pub step: u64,
     pub dir: PathBuf,
+    /// Bytes the restore that laid it out read from the checkpoint store (0: none, such as a
+    /// step reused from local bytes, or one the workers reached themselves).
+    pub bytes_from_store: u64,
 }
 
 /// One generation of the job, as seen from this node.
@@ -40,6 +43,10 @@ pub struct GenerationView {
     /// The generation's scaling (the etcd leader's, or decided locally).
     pub scaling: ScalingDecision,
     pub resume: Option<ResumePoint>,
+    /// The step this node joined at without restoring it (`ELASTIC_HEAL_STEP`): the
+    /// generation's continuing members hold it in memory, and the workers take it from them,
+    /// or ask the agent to restore it (`restore`).
+    pub heal_step: Option<u64>,
 }
 
 /// What stays the same for this node across generations and restarts.
@@ -242,6 +249,8 @@ pub fn worker_env(
     if let Some(r) = &view.resume {
         env.push(("ELASTIC_RESUME_STEP".into(), r.step.to_string()));
         env.push(("ELASTIC_RESUME_DIR".into(), path_str(&r.dir)));
+    } else if let Some(step) = view.heal_step {
+        env.push(("ELASTIC_HEAL_STEP".into(), step.to_string()));
     }
     Ok(env)
 }
@@ -249,8 +258,8 @@ pub fn worker_env(
 /// The environment variables of a worker that change with the generation, for workers that
 /// switch to `view` in place (the `generation` reply's `env`): the world and node counts, the
 /// master, the generation, and every scaling variable ("" for one the generation leaves
-/// unset). `RANK` and `ROLE_RANK` follow from the reply's rank offset; `ELASTIC_RESUME_*` are
-/// "" (the workers continue from memory).
+/// unset). `RANK` and `ROLE_RANK` follow from the reply's rank offset; `ELASTIC_RESUME_*` and
+/// `ELASTIC_HEAL_STEP` are "" (the workers continue from memory).
 pub fn generation_env(view: &GenerationView) -> std::collections::BTreeMap<String, String> {
     let mut env: std::collections::BTreeMap<String, String> = [
         "ELASTIC_LR",
@@ -258,6 +267,7 @@ pub fn generation_env(view: &GenerationView) -> std::collections::BTreeMap<Strin
         "ELASTIC_BATCH_SIZE",
         "ELASTIC_RESUME_STEP",
         "ELASTIC_RESUME_DIR",
+        "ELASTIC_HEAL_STEP",
     ]
     .into_iter()
     .map(|k| (k.to_string(), String::new()))
@@ -322,7 +332,9 @@ mod tests {
             resume: Some(ResumePoint {
                 step: 1200,
                 dir: "/ck/step-1200".into(),
+                bytes_from_store: 0,
             }),
+            heal_step: None,
         }
     }
 
@@ -423,6 +435,7 @@ mod tests {
             "ELASTIC_GLOBAL_BATCH",
             "ELASTIC_RESUME_STEP",
             "ELASTIC_RESUME_DIR",
+            "ELASTIC_HEAL_STEP",
         ] {
             assert_eq!(get(&env, k), None, "{k}");
         }
@@ -430,6 +443,24 @@ mod tests {
         assert_eq!(get(&env, "ELASTIC_GRAD_ACCUM_STEPS"), Some("1"));
         assert_eq!(get(&env, "ELASTIC_WARMUP_STEPS"), Some("0"));
         assert!(env.iter().all(|(_, v)| !v.is_empty()));
+    }
+
+    #[test]
+    fn a_node_that_heals_from_peers_gets_the_step_and_no_restore_dir() {
+        let mut v = view();
+        v.resume = None;
+        v.heal_step = Some(1200);
+        let env = env_of(&spec(), &v, 0, 0, false).unwrap();
+        assert_eq!(get(&env, "ELASTIC_HEAL_STEP"), Some("1200"));
+        assert_eq!(get(&env, "ELASTIC_RESUME_STEP"), None);
+        assert_eq!(get(&env, "ELASTIC_RESUME_DIR"), None);
+        // Workers that switch in place drop it.
+        assert_eq!(
+            generation_env(&v)
+                .get("ELASTIC_HEAL_STEP")
+                .map(String::as_str),
+            Some("")
+        );
     }
 
     #[test]

@@ -306,6 +306,7 @@ impl Driver {
         now_ms: u64,
         unrecorded_commit: Option<u64>,
     ) -> Result<Generation> {
+        let previous = self.view.generation.as_deref();
         let mut members = Vec::with_capacity(ids.len());
         let mut offset: u32 = 0;
         for id in ids {
@@ -318,6 +319,7 @@ impl Driver {
                 addr: m.addr.clone(),
                 nproc: m.nproc,
                 rank_offset: offset,
+                continuing: previous.is_some_and(|g| g.member(id).is_some()),
             });
             offset = offset
                 .checked_add(m.nproc)
@@ -327,7 +329,6 @@ impl Driver {
                 })?;
         }
         let rank0 = &self.view.members[&ids[0]];
-        let previous = self.view.generation.as_deref();
         let previous_world = previous.map(|g| u64::from(g.world_size));
         let scaling = self.cfg.scaling.decide(u64::from(offset), previous_world)?;
         // `ctl/epoch` holds the highest number ever frozen, even after a total loss.
@@ -423,6 +424,7 @@ mod tests {
                 addr: addr.into(),
                 nproc: 1,
                 rank_offset: 0,
+                continuing: false,
             }],
             world_size: 1,
             master_addr: addr.into(),

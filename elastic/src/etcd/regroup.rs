@@ -162,6 +162,7 @@ mod tests {
                     addr: "h".into(),
                     nproc: 1,
                     rank_offset: i as u32,
+                    continuing: false,
                 })
                 .collect(),
             world_size: members.len() as u32,

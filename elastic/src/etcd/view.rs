@@ -278,6 +278,7 @@ mod tests {
                 addr: "h".into(),
                 nproc: 1,
                 rank_offset: 0,
+                continuing: false,
             }],
             world_size: 1,
             master_addr: "h".into(),

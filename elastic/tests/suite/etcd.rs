@@ -434,6 +434,7 @@ async fn deposed_leader_cannot_write_a_generation() {
             addr: "h".into(),
             nproc: 1,
             rank_offset: 0,
+            continuing: false,
         }],
         world_size: 1,
         master_addr: "h".into(),
@@ -756,6 +757,10 @@ async fn scale_up_waiters_are_admitted_by_each_join_policy() {
     assert_eq!(ids(&g), ["a", "b"]);
     assert_eq!(next(&mut b, 5_000).await, g);
     println!("immediate: admitted after {} ms", t0.elapsed().as_millis());
+    // a ran the generation before (it may hold the state in memory); b joins it fresh.
+    let continuing: Vec<bool> = g.members.iter().map(|m| m.continuing).collect();
+    assert_eq!(continuing, [true, false]);
+    assert!(g.continues_besides("b") && !g.continues_besides("a"));
     a.leave().await.unwrap();
     b.leave().await.unwrap();
 
@@ -1494,9 +1499,20 @@ async fn restart_request_restarts_every_member_in_one_new_generation() {
     let ((g2, at_a), (g2b, at_b)) = next_on_both(&mut a, &mut b, t0, 2_000).await;
     assert_eq!(g2, g2b, "both members see the same generation");
     assert_eq!(g2.number, g1.number + 1);
+    let ranked = |g: &Generation| -> Vec<(String, u32)> {
+        g.members
+            .iter()
+            .map(|m| (m.node_id.clone(), m.rank_offset))
+            .collect()
+    };
     assert_eq!(
-        g2.members, g1.members,
+        ranked(&g2),
+        ranked(&g1),
         "same members, same order, same ranks"
+    );
+    assert!(
+        g2.members.iter().all(|m| m.continuing),
+        "every member ran g1: {g2:?}"
     );
     assert_eq!(g2.world_size, g1.world_size);
     assert_eq!(g2.resume_step, Some(40), "resumes from the newest commit");
@@ -1528,7 +1544,7 @@ async fn restart_request_restarts_every_member_in_one_new_generation() {
     let ((g3, at_a), (g3b, at_b)) = next_on_both(&mut a, &mut b, t0, 2_000).await;
     assert_eq!(g3, g3b);
     assert_eq!(g3.number, g2.number + 1);
-    assert_eq!(g3.members, g1.members);
+    assert_eq!(g3.members, g2.members);
     assert_eq!(
         g3.master_port, g1.master_port,
         "the port alternates between rank 0's two reserved ports"

@@ -32,12 +32,14 @@ fn generation() -> Generation {
                 addr: "10.0.0.2".into(),
                 nproc: 4,
                 rank_offset: 0,
+                continuing: false,
             },
             RankedMember {
                 node_id: "a".into(),
                 addr: "10.0.0.1".into(),
                 nproc: 2,
                 rank_offset: 4,
+                continuing: false,
             },
         ],
         world_size: 6,
@@ -58,6 +60,24 @@ fn generation_round_trips() {
         back.member("a").map(|(rank, m)| (rank, m.rank_offset)),
         Some((1, 4))
     );
+}
+
+#[test]
+fn continuing_members_are_recorded_only_when_set_and_tell_who_continues_beside_a_node() {
+    let mut g = generation();
+    // A record written before the field (or with nobody continuing) has no `continuing`.
+    let text = String::from_utf8(record::encode(&g)).unwrap();
+    assert!(!text.contains("continuing"), "{text}");
+    assert!(!g.continues_besides("a") && !g.continues_besides("b"));
+    g.members[0].continuing = true;
+    let back: Generation = record::parse(KEY, &record::encode(&g)).unwrap();
+    assert!(back.members[0].continuing && !back.members[1].continuing);
+    // "b" continues: "a" and a stranger have it beside them, "b" itself has no one.
+    assert!(back.continues_besides("a"));
+    assert!(!back.continues_besides("b"));
+    assert!(back.continues_besides("z"));
+    g.members[1].continuing = true;
+    assert!(g.continues_besides("a") && g.continues_besides("b"));
 }
 
 #[test]

@@ -17,6 +17,7 @@ from .protocol import (
     _msg_peer_stop,
     _msg_progress,
     _msg_query,
+    _msg_restore,
     _parse_json,
 )
 
@@ -128,6 +129,28 @@ def _agent_conn():
     if _state.agent is None or _state.agent.path != path:
         _state.agent = _Agent(path)
     return _state.agent
+
+
+def restore(step):
+    """Asks the agent to restore ``step`` from the checkpoint store for this node's ranks (once
+    for all of them): the node joined without restoring it (``$ELASTIC_HEAL_STEP``) and no live
+    peer held it. The agent may give the newest older step that verifies. Returns ``(step,
+    dir)`` and sets ``ELASTIC_RESUME_STEP`` and ``ELASTIC_RESUME_DIR`` as for a worker started
+    after a restore."""
+    conn = _agent_conn()
+    if conn is None:
+        raise AgentError(f"ELASTIC_HEAL_STEP is {step}, but there is no agent to restore it (ELASTIC_AGENT_SOCKET)")
+    reply = conn.request(_msg_restore(rank(), step), timeout_s=protocol.RESTORE_WAIT_S,
+                         expect=protocol.REPLY_RESTORED)
+    where = f"agent reply to {protocol.MSG_RESTORE!r}"
+    got = _get_int(where, reply, "step", 0, int(step))
+    d = _get(where, reply, "dir", str)
+    if not d:
+        raise FormatError(f"{where}: an empty dir")
+    os.environ["ELASTIC_RESUME_STEP"] = str(got)
+    os.environ["ELASTIC_RESUME_DIR"] = d
+    os.environ.pop("ELASTIC_HEAL_STEP", None)
+    return got, d
 
 
 def report_progress(step, force=False):

@@ -80,6 +80,13 @@ def resume_step():
     return _env_int("ELASTIC_RESUME_STEP", None, 0, protocol.STEP_MAX)
 
 
+def heal_step():
+    """The step this worker's node joined at without restoring it (``ELASTIC_HEAL_STEP``): the
+    generation's continuing members hold it in memory. :class:`elastic_run.InPlace` takes it
+    from them; :func:`elastic_run.load` asks the agent to restore it. None otherwise."""
+    return _env_int("ELASTIC_HEAL_STEP", None, 0, protocol.STEP_MAX)
+
+
 def checkpoint_interval():
     return max(0, _env_int("ELASTIC_CHECKPOINT_INTERVAL", 0))
 

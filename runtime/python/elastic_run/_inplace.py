@@ -28,6 +28,11 @@ trains on from the weights in its memory.
   rank 0), and agrees on the step: the ranks behind receive the whole state from the first
   rank that is furthest, over the new group. A worker that starts fresh in a generation
   (a joiner, or one restarted) does the same in :meth:`InPlace.load`, so the two meet.
+- **Joiners heal from peers.** A node that joins members continuing from the generation
+  before is started without a restore (``ELASTIC_HEAL_STEP`` names the step it would have
+  restored): its ranks take the state from the continuing ranks, and nothing is read from the
+  store. When no live rank holds that step (the continuing members were restarted too), the
+  ranks that joined ask their agents to restore it (``restore``) and the ranks agree again.
 - **Drains.** When another node is preempted, :func:`elastic_run.should_stop` tells this
   rank False (the draining node's ranks are told True): every rank saves the agreed step, the
   draining node's ranks exit, and the others switch to the generation without it.
@@ -289,10 +294,21 @@ class InPlace:
     def load(self):
         """:func:`elastic_run.load` of the state (what the agent restored, if anything), then
         the step agreed with the live peers of this generation: a rank behind receives the
-        state from one ahead. Returns the step (0 for a fresh start)."""
+        state from one ahead. Returns the step (0 for a fresh start).
+
+        A worker whose node joined a generation with continuing members was started without a
+        restore (``$ELASTIC_HEAL_STEP``): it takes the state from them, reading nothing from
+        the store, unless no live rank holds that step (they were restarted too); then it asks
+        its agent to restore it."""
+        from ._env import heal_step
         from ._load import load
 
-        step = self._agree(load(self.state) or 0)
+        heal = heal_step()
+        if heal is None:
+            step = self._agree(load(self.state) or 0)
+        else:
+            step = self._agree(0, need=heal)
+            os.environ.pop("ELASTIC_HEAL_STEP", None)
         self._started_at(step)
         return step
 
@@ -361,16 +377,55 @@ class InPlace:
     def switch(self, step):
         """Leaves the old group for the offered generation's (waiting for the offer up to
         ``offer_wait_s``) and returns the step every rank of the new group continues from.
-        ``step``: the last step this rank applied."""
-        from ._connection import AgentError
+        ``step``: the last step this rank applied. A switch whose collectives fail (a member
+        was lost meanwhile) waits for the next generation and switches to it, at most
+        ``_SWITCH_ATTEMPTS_MAX`` times."""
         from ._save import wait as wait_saves
+
+        from ._env import world_size
 
         started = time.monotonic()
         try:
             wait_saves()
         except Exception as e:  # the save's own error was reported to the agent
             print(f"elastic_run: the save in flight failed before the switch: {e}", flush=True)
-        for attempt in range(_SWITCH_ATTEMPTS_MAX):
+        for _ in range(_SWITCH_ATTEMPTS_MAX):
+            generation, new_rank = self._take_offer()
+            if self.group is not None:
+                old, self.group, self.store = (self.group, self.store), None, None
+                self._retire(*old)
+                del old
+            self.failed = None
+            self.awaiting = None
+            try:
+                self.store, self.group = _form_group(min(self.timeout_s, FORM_TIMEOUT_S))
+                self.world = world_size()
+                step = self._agree(step)
+                break
+            except (SwitchError, RuntimeError) as e:
+                # A member was lost while the group formed or the ranks agreed (the rank whose
+                # state a joiner takes, say): this rank's state is as it was, and the
+                # generation without that member is offered once the job regroups.
+                print(f"elastic_run: the switch to generation {generation} failed ({e}); waiting for the next",
+                      flush=True)
+                self.failed = e
+                self._report_failure()
+        else:
+            raise SwitchError(f"elastic_run: no switch completed in {_SWITCH_ATTEMPTS_MAX} attempts")
+        self._started_at(step)
+        _state.checkpoint_at = None
+        ms = (time.monotonic() - started) * 1000
+        if new_rank == 0:
+            print(f"elastic_run: switched to generation {generation} in place at step {step} "
+                  f"(world {self.world}) in {ms:.0f} ms", flush=True)
+        return step
+
+    def _take_offer(self):
+        """Waits for the agent's offer (up to ``offer_wait_s``), says ``switched``, and takes
+        the offered environment. Returns the generation and this rank in it."""
+        from ._connection import AgentError
+
+        for _ in range(_SWITCH_ATTEMPTS_MAX):
             offer = self.offers.take(self.offer_wait_s)
             if offer is None:
                 why = self.failed or self.awaiting
@@ -398,23 +453,7 @@ class InPlace:
                 os.environ[k] = v
         os.environ["RANK"] = os.environ["ROLE_RANK"] = str(new_rank)
         self.offers.switched(generation, new_rank)
-        old, self.group, self.store = (self.group, self.store), None, None
-        self._retire(*old)
-        del old
-        self.store, self.group = _form_group(min(self.timeout_s, FORM_TIMEOUT_S))
-        from ._env import world_size
-
-        self.world = world_size()
-        self.failed = None
-        self.awaiting = None
-        step = self._agree(step)
-        self._started_at(step)
-        _state.checkpoint_at = None
-        ms = (time.monotonic() - started) * 1000
-        if new_rank == 0:
-            print(f"elastic_run: switched to generation {generation} in place at step {step} "
-                  f"(world {self.world}) in {ms:.0f} ms", flush=True)
-        return step
+        return generation, new_rank
 
     def close(self):
         """Stops watching for generations and shuts the group down, at the end of training (as
@@ -426,7 +465,7 @@ class InPlace:
         _state.in_place = None
         # As destroy_process_group does at the end of a script: a group left to the
         # interpreter's exit may still hear its peers leave and fail then.
-        if not any(not f.done() for f in self.works):
+        if self.group is not None and not any(not f.done() for f in self.works):
             try:
                 self.group.shutdown()
             except Exception:  # noqa: BLE001 (a peer that left first may make it refuse)
@@ -491,25 +530,35 @@ class InPlace:
         Python callback: a collective given up may complete on a backend thread at any time,
         even while the interpreter exits."""
         try:
-            work = issue()
-        except Exception as e:  # noqa: BLE001
-            self.failed = self.failed or e
-            return None
-        fut = work.get_future()
-        self.works.append(fut)
-        deadline = time.monotonic() + self.timeout_s
-        pause = _POLL_FIRST_S
-        while not fut.done():
-            if self.offers.pending() or time.monotonic() > deadline:
+            fut = self._issue(issue)
+            if self._given_up(fut) is not None:
                 return None
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_S)
-        try:
             fut.value()
         except Exception as e:  # noqa: BLE001
             self.failed = self.failed or e
             return None
         return t
+
+    def _issue(self, issue):
+        """Starts one collective and records its future (one left undone at a switch means
+        the group has a blocked thread)."""
+        fut = issue().get_future()
+        self.works.append(fut)
+        return fut
+
+    def _given_up(self, fut):
+        """Polls ``fut`` in slices until it is done (None), or says why it is given up: a newer
+        generation was offered meanwhile, or ``timeout_s`` passed."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = _POLL_FIRST_S
+        while not fut.done():
+            if self.offers.pending():
+                return "a newer generation was offered"
+            if time.monotonic() > deadline:
+                return f"it did not complete in {self.timeout_s:g} s"
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S)
+        return None
 
     def _retire(self, group, store):
         """Lets go of the old group: an NCCL group whose collective failed or is blocked is
@@ -539,22 +588,33 @@ class InPlace:
         except Exception:  # noqa: BLE001 (a group whose peer died may refuse; it is dropped)
             pass
 
-    def _agree(self, step):
+    def _agree(self, step, need=0):
         """The step every rank of the current group continues from, the highest any holds:
         ranks behind receive the state from the lowest rank at it. At a fresh start (step 0
         everywhere) every rank takes rank 0's state, its initial weights, as DDP's construction
-        would broadcast them."""
+        would broadcast them.
+
+        ``need``: the step this rank's node joined at without restoring it (its generation's
+        continuing members hold it). When no rank holds the highest such step, the ranks that
+        joined without a restore ask their agents for it, and the ranks agree again."""
         import torch
 
-        from ._env import rank
+        from ._env import heal_step, rank
+        from ._load import load
 
         if self.world == 1:
-            return step
+            return (load(self.state) or 0) if step < need else step
         dev = self._device()
         me = rank()
-        t = torch.tensor([step, -step], dtype=torch.int64, device=dev)
+        t = torch.tensor([step, -step, need], dtype=torch.int64, device=dev)
         self._sync(lambda: self.group.allreduce([t], _reduce_op("MAX")))
-        hi, lo = int(t[0]), -int(t[1])
+        hi, lo, need = int(t[0]), -int(t[1]), int(t[2])
+        if hi < need:
+            print(f"elastic_run: rank {me}: no live rank holds step {need} (the highest is {hi}); "
+                  "restoring it from the checkpoint store", flush=True)
+            if heal_step() is not None:
+                step = load(self.state) or 0
+            return self._agree(step)
         if hi == lo and hi > 0:
             return step
         if hi == 0:
@@ -570,12 +630,18 @@ class InPlace:
         return hi
 
     def _sync(self, issue):
-        work = issue()
-        self.works.append(work.get_future())
+        """One collective of a switch or a heal, waited for in slices: a failure, the timeout, or
+        a newer generation offered meanwhile (a peer vanished in the middle, without closing its
+        sockets) raise :class:`SwitchError`, and the collective is given up."""
         try:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:
+            fut = self._issue(issue)
+            why = self._given_up(fut)
+            if why is None:
+                fut.value()
+        except Exception as e:  # noqa: BLE001
             raise SwitchError(f"elastic_run: a collective of the switch failed: {e}") from e
+        if why is not None:
+            raise SwitchError(f"elastic_run: a collective of the switch was given up: {why}")
 
     def _broadcast_state(self, source, me):
         """The whole state from rank ``source`` to every other rank of the group: a JSON header

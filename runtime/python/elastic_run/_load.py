@@ -6,7 +6,7 @@ import os
 import stat
 
 from . import _read, _tree, protocol
-from ._env import rank, resume_step, world_size
+from ._env import heal_step, rank, resume_step, world_size
 from ._save import _state_form, _unwrap
 from .protocol import (
     _META,
@@ -48,12 +48,20 @@ def load(state=None, optimizer=None, resume_dir=None, *, model=None, strict=True
     rank's rows, and a staged snapshot's shards are put together and cut here; rows cut for
     another rank or world are a :class:`FormatError` or :class:`StateError` naming the tensor.
     Without ``resume_dir``, the step read must be
-    ``$ELASTIC_RESUME_STEP`` when that is set. Raises :class:`FormatError` (a ``ValueError``)
+    ``$ELASTIC_RESUME_STEP`` when that is set. A worker whose node joined the generation without
+    restoring its step (``$ELASTIC_HEAL_STEP``: live peers hold it, which
+    :class:`elastic_run.InPlace` takes from them) has the agent restore it first. Raises :class:`FormatError` (a ``ValueError``)
     on malformed metadata or tensor files, an unknown format version, a step that does not
     match, or a directory that is neither layout."""
     state, model = _state_form("load", state, model, optimizer, None)
     from_env = resume_dir is None
     d = resume_dir or os.environ.get("ELASTIC_RESUME_DIR")
+    if not d and from_env and heal_step() is not None:
+        # The node joined without restoring the step (its peers hold it): the agent restores
+        # it now.
+        from ._connection import restore
+
+        _, d = restore(heal_step())
     if not d or not os.path.isdir(d):
         return None
     mine = os.path.join(d, f"rank-{rank()}")

@@ -70,6 +70,7 @@ MSG_SKIPPED = "skipped"
 MSG_WATCH = "watch"
 MSG_SWITCHED = "switched"
 MSG_COLLECTIVE_FAILED = "collective_failed"
+MSG_RESTORE = "restore"
 # Every request kind and its fields besides `type`, in the order sent (protocol.rs
 # `Request`: rank is a u32, step a u64, dir and reason strings, last a bool).
 REQUESTS = {
@@ -81,6 +82,7 @@ REQUESTS = {
     MSG_WATCH: ("rank", "generation"),
     MSG_SWITCHED: ("rank", "generation"),
     MSG_COLLECTIVE_FAILED: ("rank", "generation", "reason"),
+    MSG_RESTORE: ("rank", "step"),
 }
 # Reply kinds (agent -> worker). `state` carries should_stop (a bool), should_checkpoint_at (a
 # step or null) and generation; `error` a message.
@@ -89,6 +91,11 @@ REPLY_STATE = "state"
 REPLY_ERROR = "error"
 # `generation` carries generation, rank_offset and env (recovery in place, see _inplace).
 REPLY_GENERATION = "generation"
+# `restored` carries the step restored for a `restore` and its dir (the restore layout).
+REPLY_RESTORED = "restored"
+# The longest a `restore` waits for its reply: the agent's restore of a large checkpoint from a
+# slow store, retries included (protocol.rs RESTORE_WAIT_MS).
+RESTORE_WAIT_S = 3600.0
 # The longest the agent holds a `watch` before answering it unchanged (protocol.rs
 # WATCH_HOLD_MS).
 WATCH_HOLD_S = 10.0
@@ -144,6 +151,12 @@ def _msg_collective_failed(rank, generation, reason):
             "reason": reason[:_SKIP_REASON_CHARS_MAX]}
 
 
+def _msg_restore(rank, step):
+    """Rank ``rank`` needs ``step`` from the checkpoint store: its node joined without a restore
+    (``$ELASTIC_HEAL_STEP``) and no live peer held the step. Answered by ``restored``."""
+    return {"type": MSG_RESTORE, "rank": rank, "step": int(step)}
+
+
 def _sample_messages():
     """One request of every kind in :data:`REQUESTS`, in that order, built by the same
     functions the client sends them with, from representative values."""
@@ -157,6 +170,7 @@ def _sample_messages():
         _msg_watch(3, 4),
         _msg_switched(1, 5),
         _msg_collective_failed(3, 4, "[pair.cc:537] Read error [10.0.0.2]:41234: Connection reset by peer"),
+        _msg_restore(3, 120),
     ]
 
 

@@ -31,8 +31,10 @@ class FakeAgent:
     """A Unix-socket agent that records requests and answers like the real one."""
 
     def __init__(self, path, should_stop=False, checkpoint_at=None, refuse_saved=False, saved_delay_s=0.0,
-                 raw_reply=None):
+                 raw_reply=None, restored=None):
         self.path = path
+        # The reply to a `restore`: (step, dir), or a str (an error with that message).
+        self.restored = restored
         # Bytes sent as they are in reply to every request (a misbehaving agent).
         self.raw_reply = raw_reply
         self.saved_delay_s = saved_delay_s
@@ -73,6 +75,10 @@ class FakeAgent:
             if req["type"] == "query":
                 rep = {"type": "state", "should_stop": self.should_stop,
                        "should_checkpoint_at": self.checkpoint_at, "generation": 2}
+            elif req["type"] == "restore" and isinstance(self.restored, tuple):
+                rep = {"type": "restored", "step": self.restored[0], "dir": self.restored[1]}
+            elif req["type"] == "restore":
+                rep = {"type": "error", "message": str(self.restored)}
             elif req["type"] == "saved" and self.refuse_saved:
                 rep = {"type": "error", "message": "outside staging"}
             elif req["type"] == "watch":
@@ -582,6 +588,39 @@ class RestoredLayout(Restores):
             o.step()
         for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
             self.assertTrue(torch.equal(a, b))
+
+    def test_a_node_that_joined_without_a_restore_has_the_agent_restore_its_step_on_load(self):
+        torch = self.torch
+        model, _, staged = self.stage()
+        out = self.restore(staged, world=3)
+        sock = os.path.join(self.tmp.name, "agent.sock")
+        agent = FakeAgent(sock, restored=(7, out))
+        self.addCleanup(agent.close)
+        os.environ.pop("ELASTIC_RESUME_DIR", None)
+        os.environ.pop("ELASTIC_RESUME_STEP", None)
+        self.env(ELASTIC_HEAL_STEP=7, ELASTIC_AGENT_SOCKET=sock, RANK=2, WORLD_SIZE=3)
+        fresh = self.make(1)[0]
+        step, _ = er.load(model=fresh)
+        self.assertEqual(step, 7)
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+            self.assertTrue(torch.equal(a, b))
+        self.assertEqual([r for r in agent.requests if r["type"] == "restore"],
+                         [{"type": "restore", "rank": 2, "step": 7}])
+        # As for a worker the agent restored for before it started.
+        self.assertEqual((os.environ.get("ELASTIC_RESUME_STEP"), os.environ.get("ELASTIC_RESUME_DIR")), ("7", out))
+        self.assertNotIn("ELASTIC_HEAL_STEP", os.environ)
+
+    def test_a_restore_the_agent_refuses_or_answers_with_a_newer_step_is_an_error(self):
+        sock = os.path.join(self.tmp.name, "agent.sock")
+        agent = FakeAgent(sock, restored="restore step 7 from file:///b (6 attempts): the store is down")
+        self.addCleanup(agent.close)
+        os.environ.pop("ELASTIC_RESUME_DIR", None)
+        self.env(ELASTIC_HEAL_STEP=7, ELASTIC_AGENT_SOCKET=sock, RANK=0, WORLD_SIZE=1)
+        with self.assertRaisesRegex(er.AgentError, "the store is down"):
+            er.load(model=self.make(1)[0])
+        agent.restored = (8, self.tmp.name)
+        with self.assertRaisesRegex(ValueError, r"step is 8, not an integer in \[0, 7\]"):
+            er.load(model=self.make(1)[0])
 
     def test_a_restored_step_other_than_the_resume_step_is_refused(self):
         _, _, staged = self.stage()
@@ -1125,7 +1164,7 @@ class Messages(TorchEnv):
         msgs = [json.loads(line) for line in lines[:-1]]
         self.assertEqual([m["type"] for m in msgs], list(requests))
         self.assertEqual(set(requests), {"progress", "query", "peer_stop", "saved", "skipped", "watch", "switched",
-                                         "collective_failed"})
+                                         "collective_failed", "restore"})
         for line, m in zip(lines, msgs):
             with self.subTest(kind=m["type"]):
                 self.assertIsInstance(m, dict)
@@ -1186,10 +1225,13 @@ class Messages(TorchEnv):
         self.env(ELASTIC_GENERATION=3)
         ip._report_failure()
         ip._report_failure()
+        # A node that joined without a restore, whose peers did not hold the step.
+        agent.restored = (6, self.tmp.name)
+        self.assertEqual(er._connection.restore(6), (6, self.tmp.name))
         self.assertEqual(agent.requests[7], er.protocol._msg_watch(0, 2))
         kinds = [r["type"] for r in agent.requests if r["type"] != "watch"]
         self.assertEqual(kinds, ["progress", "query", "query", "peer_stop", "saved", "saved", "skipped", "switched",
-                                 "collective_failed"])
+                                 "collective_failed", "restore"])
         kinds = [r["type"] for r in agent.requests]
         self.assertEqual(set(kinds), set(er.protocol.REQUESTS))
         for r in agent.requests:

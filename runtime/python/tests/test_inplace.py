@@ -5,9 +5,11 @@ in bounded buffers, and the vote says no on every rank when one rank's step fail
 python -m unittest discover -s runtime/python/tests -t runtime/python -k InPlace"""
 
 import json
+import os
 import socket
 import subprocess
 import sys
+import time
 
 from tests import test_client as tc
 
@@ -66,6 +68,29 @@ def rank_main(rank, out):
     ip.failed = None
     res["fresh_step"] = ip._agree(0)
     res["fresh_weights"] = [p.detach().flatten().tolist() for p in model.parameters()]
+    # A joiner (rank 1, started without a restore: ELASTIC_HEAL_STEP) beside a rank that holds
+    # a newer step takes the state from it and restores nothing.
+    from elastic_run import _load
+    restores = []
+    def restore_from_store(state, *a, **k):
+        restores.append(os.environ.pop("ELASTIC_HEAL_STEP"))
+        state["note"] = {"restored": 7}
+        return 7
+    _load.load = restore_from_store
+    state["note"] = {"rank": rank}
+    if rank == 1:
+        os.environ["ELASTIC_HEAL_STEP"] = "7"
+    res["healed_step"] = ip.load() if rank == 1 else ip._agree(9)
+    res["healed_note"] = dict(state["note"])
+    # No live rank holds the step the joiner came for (rank 0 is at 3): the joiner restores it,
+    # and the other rank takes it from the joiner.
+    state["note"] = {"rank": rank}
+    if rank == 1:
+        os.environ["ELASTIC_HEAL_STEP"] = "7"
+    res["restored_step"] = ip.load() if rank == 1 else ip._agree(3)
+    res["restored_note"] = dict(state["note"])
+    res["restores"] = restores
+    res["heal_env_left"] = os.environ.get("ELASTIC_HEAL_STEP")
     ip.close()
     out.put((rank, res))
 
@@ -87,6 +112,115 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class SwitchRetry(tc.Env):
+    def test_a_switch_whose_group_fails_waits_for_the_next_generation_and_switches_to_it(self):
+        from unittest import mock
+
+        from elastic_run import _inplace
+
+        self.env(WORLD_SIZE=3)  # the environment is restored after the test
+        ip = _inplace.InPlace.__new__(_inplace.InPlace)
+        ip.group, ip.store, ip.works, ip.abandoned, ip.state = None, None, [], [], {}
+        ip.timeout_s, ip.failed, ip.awaiting, ip.reported_for = 60.0, None, None, None
+        offers = iter([(5, 1), (6, 0)])
+        formed, reported, agreed = [], [], []
+
+        def form(timeout_s):
+            formed.append(os.environ.get("ELASTIC_GENERATION"))
+            return "store", f"group-{len(formed)}"
+
+        def agree(step, need=0):
+            agreed.append(step)
+            if len(agreed) == 1:  # rank 0 of generation 5 died while the group formed
+                raise _inplace.SwitchError("a collective of the switch failed: connection closed")
+            return step + 2
+
+        def take():
+            g, r = next(offers)
+            os.environ["ELASTIC_GENERATION"] = str(g)
+            return g, r
+
+        with mock.patch.object(_inplace, "_form_group", form), \
+                mock.patch.object(ip, "_take_offer", take), \
+                mock.patch.object(ip, "_agree", agree), \
+                mock.patch.object(ip, "_retire", lambda g, s: None), \
+                mock.patch.object(ip, "_report_failure", lambda: reported.append(str(ip.failed))):
+            self.assertEqual(ip.switch(40), 42)
+        self.assertEqual(formed, ["5", "6"])
+        self.assertEqual(agreed, [40, 40], "the failed attempt left the step as it was")
+        self.assertEqual(reported, ["a collective of the switch failed: connection closed"])
+        self.assertEqual(ip.group, "group-2")
+        self.assertIsNone(ip.failed)
+
+        # Past _SWITCH_ATTEMPTS_MAX failures, the worker fails (its agent restarts it).
+        ip.failed = None
+        with mock.patch.object(_inplace, "_form_group", mock.Mock(side_effect=RuntimeError("store gone"))), \
+                mock.patch.object(ip, "_take_offer", lambda: (7, 0)), \
+                mock.patch.object(ip, "_retire", lambda g, s: None), \
+                mock.patch.object(ip, "_report_failure", lambda: None):
+            with self.assertRaisesRegex(_inplace.SwitchError, "no switch completed"):
+                ip.switch(40)
+
+
+class SwitchCollectives(tc.Env):
+    """The collectives of a switch or a heal give up when a newer generation is offered (a peer
+    vanished in the middle without closing its sockets), time out, or fail, as SwitchError."""
+
+    class Work:
+        def __init__(self, fut):
+            self.fut = fut
+
+        def get_future(self):
+            return self.fut
+
+    class Future:
+        def __init__(self, done=False, error=None):
+            self._done, self.error = done, error
+
+        def done(self):
+            return self._done
+
+        def value(self):
+            if self.error:
+                raise self.error
+
+    class Offers:
+        def __init__(self, after_s):
+            self.at = None if after_s is None else time.monotonic() + after_s
+
+        def pending(self):
+            return self.at is not None and time.monotonic() >= self.at
+
+    def ip(self, offer_after_s=None, timeout_s=30.0):
+        from elastic_run import _inplace
+
+        ip = _inplace.InPlace.__new__(_inplace.InPlace)
+        ip.works, ip.timeout_s, ip.offers = [], timeout_s, self.Offers(offer_after_s)
+        return ip, _inplace
+
+    def test_a_blocked_collective_gives_up_on_a_newer_offer_or_the_timeout(self):
+        ip, _inplace = self.ip(offer_after_s=0.2)
+        t = time.monotonic()
+        with self.assertRaisesRegex(_inplace.SwitchError, "newer generation was offered"):
+            ip._sync(lambda: self.Work(self.Future()))
+        self.assertLess(time.monotonic() - t, 5.0)
+        self.assertEqual(len(ip.works), 1, "the future given up is kept: its group is retired as blocked")
+        ip, _inplace = self.ip(timeout_s=0.2)
+        with self.assertRaisesRegex(_inplace.SwitchError, "did not complete in 0.2 s"):
+            ip._sync(lambda: self.Work(self.Future()))
+
+    def test_a_failed_collective_is_a_switch_error_and_a_done_one_returns(self):
+        ip, _inplace = self.ip()
+        with self.assertRaisesRegex(_inplace.SwitchError, "Connection reset by peer"):
+            ip._sync(lambda: self.Work(self.Future(done=True, error=RuntimeError("Connection reset by peer"))))
+
+        def refuse():
+            raise RuntimeError("the group is aborted")
+        with self.assertRaisesRegex(_inplace.SwitchError, "aborted"):
+            ip._sync(refuse)
+        ip._sync(lambda: self.Work(self.Future(done=True)))
 
 
 class InPlaceGroup(tc.TorchEnv):
@@ -114,3 +248,12 @@ class InPlaceGroup(tc.TorchEnv):
         self.assertEqual((a["fresh_step"], b["fresh_step"]), (0, 0))
         self.assertEqual(b["fresh_weights"], a["fresh_weights"])
         self.assertNotEqual(a["fresh_weights"], a["weights"], "rank 0's own weights were changed too")
+        # The joiner healed from its peer's step 9 without a restore...
+        self.assertEqual((a["healed_step"], b["healed_step"]), (9, 9))
+        self.assertEqual(b["healed_note"], {"rank": 0})
+        # ...and, when no one held step 7, restored it once and gave it to the peer.
+        self.assertEqual((a["restored_step"], b["restored_step"]), (7, 7))
+        self.assertEqual((a["restored_note"], b["restored_note"]), ({"restored": 7}, {"restored": 7}))
+        self.assertEqual((a["restores"], b["restores"]), ([], ["7"]))
+        self.assertIsNone(b["heal_env_left"])
+        self.assertIn("no live rank holds step 7 (the highest is 3)", out.stdout.decode())

@@ -395,6 +395,9 @@ fn complete_switch(
     *last_step_reached = reached.or(*last_step_reached);
     let mut view = sw.view;
     view.resume = None;
+    view.heal_step = None;
+    // The workers hold the state now: a step they joined at is theirs, not the store's.
+    node.state.set_on_demand_restore(None);
     tracing::info!(
         generation = view.generation,
         world_size = view.world_size,
@@ -405,6 +408,7 @@ fn complete_switch(
     shown.resume = reached.map(|step| crate::worker_env::ResumePoint {
         step,
         dir: Default::default(),
+        bytes_from_store: 0,
     });
     super::emit_generation(node, &shown, Some(&sw.generation), *last_step_reached, true);
     node.state

@@ -329,6 +329,7 @@ pub(super) fn generation_view(node: &Node, g: &Generation) -> Result<GenerationV
         master_port: g.master_port,
         scaling: g.scaling.clone(),
         resume: None,
+        heal_step: None,
     })
 }
 

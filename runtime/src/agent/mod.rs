@@ -75,6 +75,7 @@ mod group;
 mod membership;
 mod rdzv_endpoint;
 mod rdzv_host;
+mod restore;
 mod start;
 
 use std::ops::ControlFlow;
@@ -96,7 +97,6 @@ pub use config::{
     unknown_rdzv_conf_key, worker_argv,
 };
 use config::{default_node_id, resolve_nproc};
-use decide::restore_is_retryable;
 use dirs::{RunDir, Staging, remove_staged};
 use drain::Drain;
 use membership::{Membership, Next, leave, wait_generation};
@@ -120,11 +120,6 @@ const OUTPUT_FLUSH_MS: u64 = 5_000;
 const FLUSH_TIMEOUT_MS: u64 = 60_000;
 /// Directory under staging where restored steps are laid out.
 const RESTORE_DIR: &str = ".restore";
-/// Attempts at restoring a generation's resume step before the agent gives up.
-const RESTORE_ATTEMPTS_MAX: u32 = 6;
-/// Pause after the first failed restore; doubles per attempt up to the max (31 s in all).
-const RESTORE_BACKOFF_INITIAL_MS: u64 = 1_000;
-const RESTORE_BACKOFF_MAX_MS: u64 = 8_000;
 /// How long a node whose resume step no longer restores, while etcd records a newer commit,
 /// waits for the generation that resumes from that commit before it gives up.
 const SUPERSEDED_WAIT_MS: u64 = 10_000;
@@ -132,7 +127,7 @@ const SUPERSEDED_WAIT_MS: u64 = 10_000;
 /// What restoring a generation's resume step ended in.
 enum Resumed {
     /// Restored (or nothing to restore): run the generation.
-    Run(GenerationView),
+    Run(Box<GenerationView>),
     /// The node leaves with this exit code (a signal came meanwhile).
     Exit(u8),
     /// The step is gone and a newer generation is frozen: go to it.
@@ -193,6 +188,8 @@ struct Agent {
     restarts: u32,
     /// The highest step this node's workers reported, over all groups so far.
     last_step_reached: Option<u64>,
+    /// This node's last worker group started without a restore, to heal from its peers.
+    last_group_healed: bool,
     /// Time-based checkpoints: ask for the step after the newest one reported.
     checkpoint_timer: Option<tokio::time::Interval>,
     signals: mpsc::Receiver<i32>,
@@ -253,7 +250,7 @@ impl Agent {
             let span = tracing::info_span!("generation", generation = view.generation);
             let flow = async {
                 let view = match self.resume(view, generation.as_deref()).await? {
-                    Resumed::Run(v) => v,
+                    Resumed::Run(v) => *v,
                     Resumed::Exit(code) => return Ok(ControlFlow::Break(code)),
                     Resumed::Superseded => return Ok(ControlFlow::Continue(())),
                 };
@@ -314,69 +311,88 @@ impl Agent {
             Membership::Etcd(m) => generation.and_then(|g| g.resume_step).or(m.bucket_latest),
         };
         remove_staged(&node.spec.staging_dir);
-        if let Some(step) = resume_step {
-            let ranks = view.rank_offset..view.rank_offset + node.nproc;
+        let heal = match &self.membership {
+            // Whether the workers of this node's last group switched in place (until the next
+            // group begins, the state remembers who watched), or were to heal from peers (they
+            // may have failed before they could watch).
+            Membership::Etcd(_) => restore::heal_step(
+                generation,
+                &node.node_id,
+                resume_step,
+                node.state.watching_any() || self.last_group_healed,
+            ),
+            Membership::Fixed(_) => None,
+        };
+        let ranks = view.rank_offset..view.rank_offset + node.nproc;
+        node.state.set_on_demand_restore(None);
+        self.last_group_healed = heal.is_some();
+        if let Some(step) = heal {
+            // The members that continue from the generation before hold the state in memory:
+            // the workers take it from them over the new group, and the store is read only
+            // if they ask (no live rank holds the step).
+            tracing::info!(
+                step,
+                "joining members that continue from memory; the workers take the state from them"
+            );
+            view.heal_step = Some(step);
+            node.state
+                .set_on_demand_restore(Some(Arc::new(restore::HealFromPeers {
+                    step,
+                    generation: view.generation,
+                    ranks,
+                    world_size: view.world_size,
+                    sink: node.sink.clone(),
+                    events: node.events.clone(),
+                    state: Arc::downgrade(&node.state),
+                    cancel: self.cancel.child_token(),
+                    outcome: Default::default(),
+                })));
+        } else if let Some(step) = resume_step {
             let t0 = Instant::now();
-            let mut attempt = 1u32;
-            let mut backoff_ms = RESTORE_BACKOFF_INITIAL_MS;
-            let point = loop {
-                let r = tokio::select! {
-                    r = node.sink.restore_or_older(step, ranks.clone(), view.world_size, &self.cancel) => r,
-                    Some(sig) = self.signals.recv() => {
-                        tracing::warn!(signal = sig, "signal while restoring; leaving");
-                        return Ok(Resumed::Exit(leave(&mut self.membership).await));
-                    }
-                };
-                match r {
-                    Ok((point, skipped)) => {
-                        if !skipped.is_empty() {
-                            node.events.emit(Event::RestoreFellBack {
-                                generation: view.generation,
-                                skipped,
-                                step: point.step,
-                            });
-                        }
-                        break point;
-                    }
-                    Err(e) if restore_is_retryable(&e) && attempt < RESTORE_ATTEMPTS_MAX => {
-                        tracing::warn!(step, attempt, backoff_ms, error = %e, "restore failed; retrying");
-                        tokio::select! {
-                            () = tokio::time::sleep(Duration::from_millis(backoff_ms)) => {}
-                            Some(sig) = self.signals.recv() => {
-                                tracing::warn!(signal = sig, "signal while restoring; leaving");
-                                return Ok(Resumed::Exit(leave(&mut self.membership).await));
-                            }
-                        }
-                        attempt += 1;
-                        backoff_ms = (backoff_ms * 2).min(RESTORE_BACKOFF_MAX_MS);
-                    }
-                    Err(e) => {
-                        // Retention removed the step after newer commits of the previous
-                        // generation; the leader re-forms this generation to resume from them.
-                        if let Membership::Etcd(m) = &self.membership
-                            && m.superseded(view.generation, step, SUPERSEDED_WAIT_MS)
-                                .await
-                        {
-                            tracing::warn!(step, error = %e, "the resume step does not restore and a newer generation is frozen; moving to it");
-                            return Ok(Resumed::Superseded);
-                        }
-                        return Err(e).with_context(|| {
-                            format!(
-                                "restore step {step} from {} ({attempt} attempts)",
-                                node.sink.url()
-                            )
-                        });
-                    }
+            let r = tokio::select! {
+                r = restore::restore_retrying(&node.sink, step, ranks, view.world_size, &self.cancel) => r,
+                Some(sig) = self.signals.recv() => {
+                    tracing::warn!(signal = sig, "signal while restoring; leaving");
+                    return Ok(Resumed::Exit(leave(&mut self.membership).await));
                 }
             };
-            tracing::info!(step, dir = %point.dir.display(), ms = t0.elapsed().as_millis() as u64, "restored");
+            let point = match r {
+                Ok((point, skipped)) => {
+                    restore::note_restored(
+                        &node.events,
+                        Some(&node.state.metrics),
+                        view.generation,
+                        skipped,
+                        &point,
+                    );
+                    point
+                }
+                Err((e, attempt)) => {
+                    // Retention removed the step after newer commits of the previous
+                    // generation; the leader re-forms this generation to resume from them.
+                    if let Membership::Etcd(m) = &self.membership
+                        && m.superseded(view.generation, step, SUPERSEDED_WAIT_MS)
+                            .await
+                    {
+                        tracing::warn!(step, error = %e, "the resume step does not restore and a newer generation is frozen; moving to it");
+                        return Ok(Resumed::Superseded);
+                    }
+                    return Err(e).with_context(|| {
+                        format!(
+                            "restore step {step} from {} ({attempt} attempts)",
+                            node.sink.url()
+                        )
+                    });
+                }
+            };
+            tracing::info!(step, dir = %point.dir.display(), bytes = point.bytes_from_store, ms = t0.elapsed().as_millis() as u64, "restored");
             view.resume = Some(point);
         }
         node.state
             .metrics
             .generations_total
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(Resumed::Run(view))
+        Ok(Resumed::Run(Box::new(view)))
     }
 }
 
@@ -417,6 +433,13 @@ fn emit_generation(
         global_batch: s.global_batch,
         grad_accum_steps: s.grad_accum_steps,
         resume_step: view.resume.as_ref().map(|r| r.step),
+        // In place, `resume` is the step the workers reached: nothing was restored.
+        restored_bytes: view
+            .resume
+            .as_ref()
+            .filter(|_| !in_place)
+            .map(|r| r.bytes_from_store),
+        heal_step: view.heal_step,
         prev_last_step,
         frozen_unix_ms: g.map(|g| g.created_unix_ms),
         in_place,

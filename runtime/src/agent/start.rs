@@ -212,6 +212,7 @@ pub(super) async fn start(
                 master_port,
                 scaling: s,
                 resume: None,
+                heal_step: None,
             })
         }
         Mode::Etcd { .. } => {
@@ -256,6 +257,7 @@ pub(super) async fn start(
         approval,
         restarts,
         last_step_reached,
+        last_group_healed: false,
         checkpoint_timer,
         signals,
         notices,

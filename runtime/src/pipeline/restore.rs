@@ -253,7 +253,11 @@ impl StoreSink {
             ms = t0.elapsed().as_millis() as u64,
             "step restored"
         );
-        Ok(ResumePoint { step, dir })
+        Ok(ResumePoint {
+            step,
+            dir,
+            bytes_from_store: bytes,
+        })
     }
 
     pub(super) fn restore_error(

@@ -367,8 +367,8 @@ fn sigkill_of_one_node_leaves_the_survivors_switching_in_place_and_a_joiner_take
     // The same processes train on: nothing was restarted or restored.
     assert_eq!(children(a.pid()), workers_a);
     assert_eq!(children(b.pid()), workers_b);
-    // A new node joins: a and b switch in place again; d's fresh workers start from the
-    // newest commit and take the survivors' newer state from them over the new group.
+    // A new node joins: a and b switch in place again; d's fresh workers start without a
+    // restore and take the survivors' state from them over the new group.
     let d = job.start("d", "2:3", &train);
     let g3 = job.wait_event("the generation with the joiner", LONG, |e| {
         is(e, "generation") && e["world_size"] == 6 && node_of(e) == "d"
@@ -402,11 +402,16 @@ fn sigkill_of_one_node_leaves_the_survivors_switching_in_place_and_a_joiner_take
     );
     assert!(out_a.contains("world 4 accum 1"), "{out_a}");
     assert!(out_a.contains("done step 90 "), "{out_a}");
-    // d's ranks restored the newest commit; when the survivors were past it, both took the
-    // survivors' state (a commit at the very step they switched at leaves nothing to take).
-    let resumed = g3["resume_step"]
+    // d restored nothing: it joined at the newest commit, which the survivors hold in memory.
+    assert_eq!(g3["resume_step"], Value::Null, "{g3}");
+    assert_eq!(
+        g3["restored_bytes"],
+        Value::Null,
+        "no bytes from the bucket: {g3}"
+    );
+    let joined_at = g3["heal_step"]
         .as_u64()
-        .expect("the joiner restored a commit");
+        .unwrap_or_else(|| panic!("the joiner heals from its peers: {g3}"));
     let switched_at: u64 = out_a
         .lines()
         .find_map(|l| {
@@ -425,17 +430,15 @@ fn sigkill_of_one_node_leaves_the_survivors_switching_in_place_and_a_joiner_take
         .lines()
         .filter(|l| l.contains("took the state of step"))
         .collect();
-    assert!(switched_at >= resumed, "{switched_at} < {resumed}");
-    let want = if switched_at > resumed { 2 } else { 0 };
+    assert!(switched_at >= joined_at, "{switched_at} < {joined_at}");
     assert_eq!(
         healed.len(),
-        want,
-        "d's ranks and the survivors' state:\n{out_d}"
+        2,
+        "d's ranks took the survivors' state:\n{out_d}"
     );
     for l in &healed {
         assert!(
-            l.contains(&format!("state of step {switched_at} "))
-                && l.contains(&format!("(it held step {resumed})")),
+            l.contains(&format!("state of step {switched_at} ")) && l.contains("(it held step 0)"),
             "{l}"
         );
     }
@@ -465,6 +468,10 @@ fn sigkill_of_one_node_leaves_the_survivors_switching_in_place_and_a_joiner_take
             "no worker group of a or b was started after the first: {e}"
         );
         assert!(!is(&e, "restore_fell_back"), "{e}");
+        assert!(
+            !is(&e, "restored_on_demand"),
+            "nothing was read from the store: {e}"
+        );
     }
     assert!(job.committed_steps().contains(&90));
 }
@@ -671,6 +678,15 @@ fn a_fourth_agent_joins_and_the_job_scales_up() {
         "{g}"
     );
     assert_eq!(g["rank_offset"], 6);
+    // d joined a, b and c, which continue; their workers restart (this script does not switch
+    // in place) and restore the step, so d's workers have their agent restore it on load.
+    assert_eq!(g["resume_step"], Value::Null, "{g}");
+    let joined_at = g["heal_step"].as_u64().unwrap_or_else(|| panic!("{g}"));
+    let restored = job.wait_event("d's restore on its workers' request", LONG, |e| {
+        is(e, "restored_on_demand") && node_of(e) == "d"
+    });
+    assert_eq!(restored["step"].as_u64(), Some(joined_at), "{restored}");
+    assert!(restored["bytes"].as_u64() > Some(0), "{restored}");
     for ag in [a, b, c, d] {
         let node = ag.node.clone();
         let (code, out, err) = ag.finish(LONG);
@@ -1579,10 +1595,14 @@ fn committed_steps_train_on_a_fault_free_runs_samples_through_a_kill_a_join_and_
         assert_eq!(code, 0, "{node}:\n{out}\n{err}");
     }
 
-    // What every generation resumed from, by the agents' events.
+    // What every generation resumed from, by the agents' events (a node that joined members
+    // continuing from memory names the step as `heal_step`, restored only on its workers' ask).
     let mut resume: std::collections::BTreeMap<u64, u64> = Default::default();
     for e in job.events().iter().filter(|e| is(e, "generation")) {
-        let r = e["resume_step"].as_u64().unwrap_or(0);
+        let r = e["resume_step"]
+            .as_u64()
+            .or(e["heal_step"].as_u64())
+            .unwrap_or(0);
         let old = resume.insert(generation_of(e), r);
         assert!(
             old.is_none_or(|o| o == r),

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use checkpoint::{CancellationToken, Store};
 use runtime::pipeline::{SinkError, SinkOptions, StepToCommit, StoreSink};
 use runtime::state::StagedPart;
+use runtime::worker_env::ResumePoint;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{Value, json};
@@ -441,11 +442,16 @@ fn a_second_restore_of_a_dense_step_reuses_local_bytes_at_any_world() {
 
     // The store loses everything: only local bytes can serve what follows.
     std::fs::remove_dir_all(tmp.path().join("bucket")).unwrap();
+    assert!(first.bytes_from_store > 0, "{first:?}");
+    let local = ResumePoint {
+        bytes_from_store: 0,
+        ..first.clone()
+    };
     let again = rt().block_on(a.restore(6, 0..2, 2, &c)).unwrap();
-    assert_eq!(again, first);
+    assert_eq!(again, local, "nothing read from the store");
     // Another generation, another world and other ranks: still the same local bytes.
     let wider = rt().block_on(a.restore(6, 1..4, 4, &c)).unwrap();
-    assert_eq!(wider, first);
+    assert_eq!(wider, local);
     for r in 0..4u32 {
         let d = first.dir.join(format!("rank-{r}"));
         assert_eq!(read_tensors(&d.join("state.safetensors")), union);
@@ -612,7 +618,11 @@ fn sharded_steps_are_reused_only_for_the_same_world() {
     }
     std::fs::remove_dir_all(tmp.path().join("bucket")).unwrap();
     // Same world: reused. Another world needs other rows, which only the store has.
-    assert_eq!(rt().block_on(a.restore(8, 0..2, 2, &c)).unwrap(), p);
+    let reused = rt().block_on(a.restore(8, 0..2, 2, &c)).unwrap();
+    assert_eq!(
+        (&reused.dir, reused.step, reused.bytes_from_store),
+        (&p.dir, p.step, 0)
+    );
     let e = rt().block_on(a.restore(8, 0..3, 3, &c)).unwrap_err();
     assert!(matches!(e, SinkError::Restore { step: 8, .. }), "{e}");
     // The failed attempt discarded the rows cut for world 2: they must not pass for world 3.

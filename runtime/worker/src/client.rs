@@ -213,7 +213,7 @@ impl Worker {
             }
             None => None,
         };
-        Ok(Worker {
+        let mut w = Worker {
             rank,
             local_rank: u32_of("LOCAL_RANK", 0)?,
             world_size,
@@ -230,7 +230,44 @@ impl Worker {
             last_progress: None,
             checkpoint_at: None,
             stop_step: None,
-        })
+        };
+        // The node joined a generation without restoring its step, for peers that hold it in
+        // memory; this client cannot take state from peers, so it asks the agent for the step.
+        if let (Some(step), None) = (env_u64("ELASTIC_HEAL_STEP", None)?, &w.resume_dir) {
+            w.restore_on_demand(step)?;
+        }
+        Ok(w)
+    }
+
+    /// Asks the agent to restore `step` (or the newest older step that verifies) and takes
+    /// the reply as `ELASTIC_RESUME_STEP` and `ELASTIC_RESUME_DIR`.
+    fn restore_on_demand(&mut self, step: u64) -> Result<(), WorkerError> {
+        let rank = self.rank;
+        let Some(c) = self.conn.as_mut() else {
+            return Err(WorkerError::Env {
+                name: "ELASTIC_HEAL_STEP",
+                value: step.to_string(),
+                reason: "set, but there is no agent to restore the step (ELASTIC_AGENT_SOCKET)"
+                    .into(),
+            });
+        };
+        c.set_read_timeout_ms(protocol::RESTORE_WAIT_MS)?;
+        let reply = c.request(&Request::Restore { rank, step });
+        c.set_read_timeout_ms(SOCKET_TIMEOUT_MS)?;
+        let reply = reply?;
+        let (Some(got), Some(dir)) = (reply["step"].as_u64(), reply["dir"].as_str()) else {
+            return Err(WorkerError::Agent(format!(
+                "a restore reply without a step and a dir: {reply}"
+            )));
+        };
+        if reply["type"] != "restored" || got > step || dir.is_empty() {
+            return Err(WorkerError::Agent(format!(
+                "a bad reply to the restore of step {step}: {reply}"
+            )));
+        }
+        self.resume_step = Some(got);
+        self.resume_dir = Some(PathBuf::from(dir));
+        Ok(())
     }
 
     /// `base` scaled for the current world size.
@@ -556,6 +593,64 @@ mod tests {
             }
             seen
         })
+    }
+
+    #[test]
+    fn a_worker_whose_node_joined_without_a_restore_asks_the_agent_for_its_step() {
+        use protocol::Reply;
+        let worker = |a: UnixStream| Worker {
+            rank: 3,
+            local_rank: 1,
+            world_size: 4,
+            generation: 5,
+            lr_scale: 1.0,
+            grad_accum_steps: 1,
+            checkpoint_interval: 0,
+            resume_step: None,
+            resume_dir: None,
+            staging: None,
+            conn: Some(Conn {
+                read: BufReader::new(a.try_clone().unwrap()),
+                write: a,
+            }),
+            last_progress: None,
+            checkpoint_at: None,
+            stop_step: None,
+        };
+        // The step asked for did not verify: the agent gives the newest older one.
+        let (a, b) = UnixStream::pair().unwrap();
+        let agent = fake_agent(b, |_| Reply::Restored {
+            step: 30,
+            dir: "/s/.restore/step-30".into(),
+        });
+        let mut w = worker(a);
+        w.restore_on_demand(40).unwrap();
+        assert_eq!(w.resume_step, Some(30));
+        assert_eq!(w.resume_dir, Some(PathBuf::from("/s/.restore/step-30")));
+        drop(w);
+        assert_eq!(
+            agent.join().unwrap(),
+            [Request::Restore { rank: 3, step: 40 }]
+        );
+        // A refusal, and a step newer than asked, are errors; nothing is taken.
+        for reply in [
+            Reply::Error {
+                message: "the store is down".into(),
+            },
+            Reply::Restored {
+                step: 41,
+                dir: "/s/x".into(),
+            },
+        ] {
+            let (a, b) = UnixStream::pair().unwrap();
+            let agent = fake_agent(b, move |_| reply.clone());
+            let mut w = worker(a);
+            let e = w.restore_on_demand(40).unwrap_err();
+            assert!(matches!(e, WorkerError::Agent(_)), "{e:?}");
+            assert_eq!((w.resume_step, w.resume_dir.as_ref()), (None, None));
+            drop(w);
+            agent.join().unwrap();
+        }
     }
 
     #[test]

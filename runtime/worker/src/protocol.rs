@@ -27,6 +27,7 @@
 //! | `{"type":"watch","rank":R,"generation":G}` | rank R switches generations in place (recovery in place): tell it when the job runs a generation other than G. Every rank of the node must watch for the agent to switch in place | `generation`, at once when the agent offers another generation, else after at most [`WATCH_HOLD_MS`] (then with G again) |
 //! | `{"type":"switched","rank":R,"generation":G}` | rank R (its rank in G) left its old process group for generation G's, and has no save of the old generation in flight | `ok` |
 //! | `{"type":"collective_failed","rank":R,"generation":G,"reason":"..."}` | a collective of rank R failed in generation G (a peer may be gone): the agent asks etcd to regroup G now, without waiting for a lost peer's lease | `ok` |
+//! | `{"type":"restore","rank":R,"step":S}` | rank R needs step S from the checkpoint store: its node joined a generation whose continuing members could give the state (`$ELASTIC_HEAL_STEP` is S), and they could not. The agent restores S (or the newest older step that verifies) for all its ranks once, as it would before starting the workers | `restored` once the restore ended (at most [`RESTORE_WAIT_MS`]), else `error` |
 //!
 //! Steps are at most [`STEP_MAX`]; ranks must be the agent's node's ranks of the current
 //! generation.
@@ -43,6 +44,8 @@
 //!   holds the environment variables that change with a generation (`WORLD_SIZE`,
 //!   `MASTER_ADDR`, `MASTER_PORT`, `ELASTIC_GENERATION`, the scaling, ...), as a new worker of
 //!   it would get them.
+//! - `{"type":"restored","step":S,"dir":"D"}`: the step restored for a `restore` (S may be older
+//!   than asked when the newer one does not verify), laid out in D as `$ELASTIC_RESUME_DIR` is.
 //! - `{"type":"error","message":"..."}`: the request was refused (bad JSON, a rank that is not
 //!   this node's, a directory outside staging, a step over [`STEP_MAX`], an oversized line).
 //!   After an oversized line the agent closes the connection, since it cannot find the next
@@ -84,6 +87,10 @@ pub const MESSAGE_BYTES_MAX: usize = 64 * 1024;
 /// Longest a `watch` is held before it is answered with an unchanged generation (the worker
 /// then asks again): no request waits unbounded.
 pub const WATCH_HOLD_MS: u64 = 10_000;
+
+/// Longest a worker waits for the reply to a `restore` (the agent's restore of a large
+/// checkpoint from a slow store, retries included).
+pub const RESTORE_WAIT_MS: u64 = 3_600_000;
 
 /// Largest step in a message (and in the checkpoint format, whose `STEP_MAX` is the same
 /// number): the largest integer a JSON number (an IEEE double) holds exactly.
@@ -155,11 +162,14 @@ pub enum Request {
         generation: u64,
         reason: String,
     },
+    /// Rank `rank` needs step `step` restored from the checkpoint store (its node joined
+    /// without a restore, and no peer held the step): answered by [`Reply::Restored`].
+    Restore { rank: u32, step: u64 },
 }
 
 impl Request {
     /// Every request's `type`, in declaration order.
-    pub const KINDS: [&'static str; 8] = [
+    pub const KINDS: [&'static str; 9] = [
         "progress",
         "saved",
         "query",
@@ -168,6 +178,7 @@ impl Request {
         "watch",
         "switched",
         "collective_failed",
+        "restore",
     ];
 
     /// This request's `type`.
@@ -181,6 +192,7 @@ impl Request {
             Request::Watch { .. } => "watch",
             Request::Switched { .. } => "switched",
             Request::CollectiveFailed { .. } => "collective_failed",
+            Request::Restore { .. } => "restore",
         }
     }
 }
@@ -202,6 +214,12 @@ pub enum Reply {
         /// The asking worker's rank in `generation`.
         rank: u32,
         env: std::collections::BTreeMap<String, String>,
+    },
+    /// The step restored for a [`Request::Restore`], laid out in `dir` as
+    /// `$ELASTIC_RESUME_DIR` is.
+    Restored {
+        step: u64,
+        dir: String,
     },
     Error {
         message: String,
@@ -282,6 +300,10 @@ mod tests {
                 },
                 json!({"type":"collective_failed","rank":1,"generation":5,"reason":"reset"}),
             ),
+            (
+                Request::Restore { rank: 2, step: 40 },
+                json!({"type":"restore","rank":2,"step":40}),
+            ),
         ];
         for (req, want) in &cases {
             assert_eq!(&serde_json::to_value(req).unwrap(), want);
@@ -311,6 +333,13 @@ mod tests {
                     env: [("WORLD_SIZE".to_string(), "4".to_string())].into(),
                 },
                 json!({"type":"generation","generation":5,"rank_offset":2,"rank":3,"env":{"WORLD_SIZE":"4"}}),
+            ),
+            (
+                Reply::Restored {
+                    step: 30,
+                    dir: "/s/.restore/step-30".into(),
+                },
+                json!({"type":"restored","step":30,"dir":"/s/.restore/step-30"}),
             ),
             (
                 Reply::Error {

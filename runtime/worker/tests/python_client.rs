@@ -124,6 +124,9 @@ ip.reported_for, ip.failed = None, RuntimeError("Connection reset by peer")
 os.environ["ELASTIC_GENERATION"] = "8"
 ip._report_failure()
 ip._report_failure()
+# A node that joined without a restore, whose peers did not hold the step: the agent restores it.
+out["restored"] = list(er._connection.restore(12))
+out["resume_env"] = [os.environ.get("ELASTIC_RESUME_STEP"), os.environ.get("ELASTIC_RESUME_DIR")]
 out["constants"] = {
     "FORMAT_VERSION": er.protocol.FORMAT_VERSION,
     "MESSAGE_BYTES_MAX": er.protocol.MESSAGE_BYTES_MAX,
@@ -133,6 +136,7 @@ out["constants"] = {
     "STAGED_META": er.protocol._META,
     "RESTORED_TENSORS": er.protocol._RESTORED,
     "RESTORED_META": er.protocol._RESTORED_META,
+    "RESTORE_WAIT_S": er.protocol.RESTORE_WAIT_S,
 }
 print(json.dumps(out))
 "#;
@@ -182,6 +186,11 @@ fn reply_to(req: &Request) -> Reply {
             rank_offset: 0,
             rank: 0,
             env: [("WORLD_SIZE".to_string(), "1".to_string())].into(),
+        },
+        // The step asked for did not verify: the newest older one.
+        Request::Restore { step, .. } => Reply::Restored {
+            step: step - 1,
+            dir: format!("/r/step-{}", step - 1),
         },
         // Nothing newer: the agent would hold it; the client asks again.
         Request::Watch { generation, rank } => Reply::Generation {
@@ -374,8 +383,11 @@ fn what_the_python_client_sends_and_stages_parses_as_the_protocol() {
                 generation: 8,
                 reason: "Connection reset by peer".into(),
             },
+            Request::Restore { rank: 0, step: 12 },
         ]
     );
+    assert_eq!(got["restored"], serde_json::json!([11, "/r/step-11"]));
+    assert_eq!(got["resume_env"], serde_json::json!(["11", "/r/step-11"]));
     assert_eq!(
         got["offer"],
         serde_json::json!([8, 0, 0, {"WORLD_SIZE": "1"}]),
@@ -441,6 +453,11 @@ fn what_the_python_client_sends_and_stages_parses_as_the_protocol() {
     assert_eq!(c["STAGED_META"], protocol::STAGED_META, "{c}");
     assert_eq!(c["RESTORED_TENSORS"], protocol::RESTORED_TENSORS, "{c}");
     assert_eq!(c["RESTORED_META"], protocol::RESTORED_META, "{c}");
+    assert_eq!(
+        c["RESTORE_WAIT_S"].as_f64().map(|s| (s * 1000.0) as u64),
+        Some(protocol::RESTORE_WAIT_MS),
+        "{c}"
+    );
 }
 
 #[test]
