@@ -105,7 +105,13 @@ pub struct GenerationSeen<'a> {
     pub lr: Option<f64>,
     pub global_batch: Option<u64>,
     pub grad_accum_steps: u64,
+    /// The step this node's workers resumed from: the record's `resume_step`, or, for a node
+    /// that joined without a restore (`heal_step`) and whose workers then had it restored on
+    /// their request, the step restored (`restored_on_demand`).
     pub resume_step: Option<u64>,
+    /// The step the node joined at without restoring it; its workers took the state from
+    /// peers (at that step or later) when no restore on request follows.
+    pub heal_step: Option<u64>,
     pub prev_last_step: Option<u64>,
     pub frozen_unix_ms: Option<u64>,
 }
@@ -121,6 +127,7 @@ pub fn generations(events: &[Record]) -> impl Iterator<Item = GenerationSeen<'_>
             global_batch,
             grad_accum_steps,
             resume_step,
+            heal_step,
             prev_last_step,
             frozen_unix_ms,
             ..
@@ -132,10 +139,25 @@ pub fn generations(events: &[Record]) -> impl Iterator<Item = GenerationSeen<'_>
             lr: *lr,
             global_batch: *global_batch,
             grad_accum_steps: *grad_accum_steps,
-            resume_step: *resume_step,
+            resume_step: resume_step.or_else(|| {
+                heal_step.and_then(|_| restored_on_demand(events, &record.node, *generation))
+            }),
+            heal_step: *heal_step,
             prev_last_step: *prev_last_step,
             frozen_unix_ms: *frozen_unix_ms,
         }),
+        _ => None,
+    })
+}
+
+/// The step `node`'s agent restored on its workers' request in `generation`, if it did.
+fn restored_on_demand(events: &[Record], node: &str, generation: u64) -> Option<u64> {
+    events.iter().find_map(|r| match r.event {
+        Event::RestoredOnDemand {
+            generation: g,
+            step,
+            ..
+        } if g == generation && r.node == node => Some(step),
         _ => None,
     })
 }

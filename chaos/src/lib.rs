@@ -28,7 +28,9 @@
 //! - `src/main.rs`: `elastic-chaos run SCENARIO` and `elastic-chaos soak --minutes N`.
 //! - `scenarios/`: the CI campaign (SIGKILL, preemption, partition, store outage, store
 //!   slowness and errors with a SIGKILL, a fixed-batch shrink compared with a reference run,
-//!   a fenced node that joins again after the last leader left, store faults in place);
+//!   a fenced node that joins again after the last leader left, store faults in place, a
+//!   joiner whose source peer dies while the group forms, two nodes lost inside one
+//!   confirmation window in place);
 //!   `tests/campaign.rs` runs it.
 
 pub mod events;

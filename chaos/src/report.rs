@@ -329,6 +329,8 @@ mod tests {
                 global_batch: None,
                 grad_accum_steps: 1,
                 resume_step: None,
+                restored_bytes: None,
+                heal_step: None,
                 prev_last_step: None,
                 frozen_unix_ms: None,
                 in_place: false,

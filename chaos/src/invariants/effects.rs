@@ -68,7 +68,10 @@ pub fn effects(events: &[Record], fired: &[Fired]) -> Vec<FaultEffect> {
                     let resume = resumed
                         .iter()
                         .find_map(|g| g.resume_step)
-                        .or_else(|| gens.iter().find_map(|g| g.resume_step));
+                        .or_else(|| gens.iter().find_map(|g| g.resume_step))
+                        // Only nodes that healed from peers: they went on from at least the
+                        // step they joined at.
+                        .or_else(|| resumed.iter().chain(&gens).find_map(|g| g.heal_step));
                     let reached = resumed
                         .iter()
                         .chain(gens.iter())

@@ -395,6 +395,55 @@ mod tests {
         ]
     }
 
+    /// Generation 2 restarts every node without a restore (`heal_step` 30): no live rank
+    /// held it, so each agent restored it on its workers' request; training had reached 34.
+    fn healed_restart(on_demand_step: Option<u64>) -> Vec<Record> {
+        let mut evs = vec![
+            generation(1000, "a", 1, 2, None, None),
+            first_step(2000, "a", 1, 1),
+            committed(3000, "a", 30, 1),
+        ];
+        for node in ["a", "b"] {
+            let mut g = generation(5000, node, 2, 2, None, Some(34));
+            if let Event::Generation { heal_step, .. } = &mut g.event {
+                *heal_step = Some(30);
+            }
+            evs.push(g);
+            if let Some(step) = on_demand_step {
+                evs.push(rec(
+                    5500,
+                    node,
+                    Event::RestoredOnDemand {
+                        generation: 2,
+                        step,
+                        bytes: 100,
+                    },
+                ));
+            }
+        }
+        evs.push(first_step(6000, "a", 2, 31));
+        evs
+    }
+
+    #[test]
+    fn a_generation_that_healed_resumed_from_what_was_restored_on_request_or_its_heal_step() {
+        let mut f = fired(FaultKind::SigkillWorker);
+        f[0].at_unix_ms = 4000;
+        // Restored on request: from that step (an older one when the newer did not verify).
+        for (restored, lost) in [(30, 4), (25, 9)] {
+            let e = effects(&healed_restart(Some(restored)), &f);
+            assert_eq!(e[0].resume_step, Some(restored), "{e:?}");
+            assert_eq!(e[0].lost_steps, Some(lost), "{e:?}");
+        }
+        // Healed from peers: at least from the step joined at.
+        let e = effects(&healed_restart(None), &f);
+        assert_eq!(
+            (e[0].resume_step, e[0].lost_steps),
+            (Some(30), Some(4)),
+            "{e:?}"
+        );
+    }
+
     #[test]
     fn a_generation_superseded_before_it_trained_costs_what_the_one_that_trained_resumed_from() {
         let evs = superseded_events();

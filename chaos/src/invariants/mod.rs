@@ -163,6 +163,8 @@ mod tests {
                 global_batch: Some(8 * u64::from(world)),
                 grad_accum_steps: 1,
                 resume_step: resume,
+                restored_bytes: None,
+                heal_step: None,
                 prev_last_step: prev,
                 frozen_unix_ms: None,
                 in_place: false,
