@@ -12,6 +12,11 @@ torchrun-etcd-v2 (torchrun's etcd backend, etcd v2 API, against etcd --enable-v2
 
 One run per invocation; prints one JSON object on stdout.
 
+--join (elastic systems): once the survivors train again, a fresh node joins them. `join_*`:
+from its agent's start to its generation and to its first step, and the bytes its agent read
+from the checkpoint store (`restored_bytes` of its generation, `bytes` of `restored_on_demand`):
+in place it joins without a restore and takes the state from the survivors.
+
 - elastic: `elastic-run --rdzv-backend etcd-v3` on one local etcd, checkpoint every
   --checkpoint-interval steps to file://. Times come from the agents' --events-file: recovery
   = the survivors' `first_step` of the next generation (the later of the two) minus the kill
@@ -47,7 +52,8 @@ import common  # noqa: E402
 
 STEP_RE = re.compile(r"(?:^|\] )step (\d+) loss")
 NODES = 3
-SYSTEMS = ["elastic", "elastic-in-place", "torchrun-c10d", "torchrun-c10d-own-store", "torchrun-c10d-tuned", "torchrun-etcd-v2"]
+SYSTEMS = ["elastic", "elastic-in-place", "torchrun-c10d", "torchrun-c10d-own-store", "torchrun-c10d-tuned",
+           "torchrun-etcd-v2", "torchft"]
 NPROC = 2
 # How long one phase (start-up, recovery) may take before the run is declared failed.
 PHASE_TIMEOUT_S = 180.0
@@ -178,8 +184,8 @@ def run_elastic(a, tmp):
         ckpt = os.path.join(tmp, "ckpt")
         env = worker_env(tmp)
         events = {}
-        for k in range(NODES):
-            name = f"node{k}"
+
+        def start_node(name):
             events[name] = os.path.join(tmp, f"{name}.events")
             argv = [binary, "--nnodes", f"2:{NODES}", "--nproc-per-node", str(NPROC),
                     "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", f"127.0.0.1:{etcd.port}",
@@ -189,6 +195,10 @@ def run_elastic(a, tmp):
                     "--staging-dir", os.path.join(tmp, f"staging-{name}"), "--events-file", events[name],
                     "--", *train_cmd(a)]
             nodes.append(Node(name, argv, env, tmp))
+            return nodes[-1]
+
+        for k in range(NODES):
+            start_node(f"node{k}")
         victim, survivors = nodes[-1], nodes[:-1]
 
         def all_events():
@@ -210,7 +220,7 @@ def run_elastic(a, tmp):
 
         wait_for(reached, f"step {a.kill_at}", nodes=nodes)
         t_kill = now_ms()
-        step_ms = steady_step_ms(nodes[0], g_full["ts_ms"], t_kill)
+        step_ms = steady_step_ms(rank0_node(nodes, t_kill), g_full["ts_ms"], t_kill)
         if a.signal == "KILL":
             victim.kill_tree(signal.SIGKILL)
         else:
@@ -249,7 +259,9 @@ def run_elastic(a, tmp):
         left = [e.get("step") for e in ev[victim.name] if e["event"] == "left" and e.get("step") is not None]
         drained_commit = min((e["ts_ms"] for n in ev for e in ev[n]
                               if e["event"] == "checkpoint_committed" and left and e["step"] == left[0]), default=None)
+        joined = run_joiner(a, start_node, all_events, nodes, survivors) if a.join else {}
         return {
+            **joined,
             "after_drained_commit_s": None if drained_commit is None else (first_ms - drained_commit) / 1000.0,
             "drained_step": left[0] if left else None,
             "step_ms": step_ms,
@@ -270,6 +282,38 @@ def run_elastic(a, tmp):
         for n in nodes:
             n.stop()
         etcd.stop()
+
+
+def run_joiner(a, start_node, all_events, nodes, survivors):
+    """A fresh node joins the survivors (back to NODES nodes): from its agent's start to its
+    first step, and the bytes its agent read from the checkpoint store (a restore before its
+    workers started, or one they asked for). In place, its workers take the state from the
+    survivors and read nothing."""
+    t_start = now_ms()
+    joiner = start_node("joiner")
+
+    # Its first step in the generation that admitted it.
+    def first():
+        ev = all_events()["joiner"]
+        gens = [e for e in ev if e["event"] == "generation"]
+        firsts = [e for e in ev if e["event"] == "first_step" and gens and e["generation"] == gens[0]["generation"]]
+        return (gens[0], firsts[0], ev) if firsts else None
+
+    g, f, ev = wait_for(first, "the joiner's first step", nodes=nodes, alive=[*survivors, joiner])
+    read = (g.get("restored_bytes") or 0) + sum(e.get("bytes", 0) for e in ev if e["event"] == "restored_on_demand")
+    return {
+        "join_first_step_s": (f["ts_ms"] - t_start) / 1000.0,
+        "join_generation_s": (g["ts_ms"] - t_start) / 1000.0,
+        "join_workers_to_first_step_s": (f["ts_ms"] - g["ts_ms"]) / 1000.0,
+        "join_bytes_from_store": read,
+        "join_healed": g.get("heal_step") is not None and not any(e["event"] == "restored_on_demand" for e in ev),
+    }
+
+
+def rank0_node(nodes, until_ms):
+    """The node whose output has the most step lines before ``until_ms``: the one rank 0 (which
+    alone prints them) ran on, whichever node registered first."""
+    return max(nodes, key=lambda n: sum(1 for ts, _ in n.steps() if ts <= until_ms))
 
 
 def steady_step_ms(node, since_ms, until_ms):
@@ -348,7 +392,6 @@ def run_torchrun(a, tmp):
 
         wait_for(reached, f"step {a.kill_at}", nodes=nodes)
         t_kill = now_ms()
-        step_ms = steady_step_ms(nodes[0], g_full["ts_ms"], t_kill)
         if a.signal == "KILL":
             victim.kill_tree(signal.SIGKILL)
         else:
@@ -369,6 +412,7 @@ def run_torchrun(a, tmp):
         ts, s = wait_for(first_after, "the survivors' first step after a restart", nodes=nodes, alive=survivors)
         restarts = sum(1 for n in survivors for _, t in n.lines if "Restarting workers" in t or "restart" in t.lower())
         return {
+            "step_ms": steady_step_ms(rank0_node(nodes, t_kill), 0, t_kill),
             "recovery_s": (ts - t_kill) / 1000.0,
             "steps_redone": max(0, last_before - (s - 1)),
             "last_step_before_kill": last_before,
@@ -383,6 +427,98 @@ def run_torchrun(a, tmp):
             etcd.stop()
 
 
+TORCHFT_VERSION = "0.2.0"
+
+
+def ensure_torchft():
+    """TorchFT and its lighthouse, from PyPI, in a directory of their own under target/ (its
+    wheel asks for a torch the venv already has, so torch is not reinstalled). Returns the
+    directory, or raises NotRecovered with why not."""
+    d = os.path.join(common.REPO, "target", f"torchft-{TORCHFT_VERSION}")
+    py = os.path.join(common.VENV, "bin", "python")
+    env = dict(os.environ, PYTHONPATH=d)
+    check = [py, "-c", "import torchft, torchft._torchft"]
+    if subprocess.run(check, capture_output=True, env=env).returncode == 0:
+        return d
+    for what in ([f"torchft=={TORCHFT_VERSION}", "--no-deps"],
+                 ["opentelemetry-exporter-otlp-proto-http>=1.39.0", "opentelemetry-sdk>=1.39.0",
+                  "opentelemetry-api>=1.39.0"]):
+        p = subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--upgrade",
+                            "--target", d, *what], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise NotRecovered(f"pip install {what[0]} failed", p.stderr[-2000:])
+    p = subprocess.run(check, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise NotRecovered("torchft does not import", p.stderr[-2000:])
+    return d
+
+
+def run_torchft(a, tmp):
+    """TorchFT 0.2.0: its lighthouse (--min_replicas 2, --join_timeout_ms 1000), and one
+    replica group per node, each a `torchrun --standalone --nproc-per-node 2` of
+    bench/torchft_train.py. Recovery: the later of the surviving groups' first committed step
+    after the kill. --join: a fresh group joins and heals from a live one."""
+    d = ensure_torchft()
+    py = os.path.join(common.VENV, "bin", "python")
+    port = common.free_port()
+    env = worker_env(tmp)
+    env.update(PYTHONPATH=d, TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}")
+    nodes = []
+    try:
+        nodes.append(Node("lighthouse", [py, "bench/torchft_lighthouse.py", "--min_replicas", "2",
+                                         "--join_timeout_ms", "1000", "--bind", f"127.0.0.1:{port}"], env, tmp))
+
+        def start_group(k):
+            genv = dict(env, REPLICA_GROUP_ID=str(k))
+            argv = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
+                    "bench/torchft_train.py", "--steps", str(a.steps), "--step-sleep", str(a.step_sleep)]
+            nodes.append(Node(f"group{k}", argv, genv, tmp))
+            return nodes[-1]
+
+        groups = [start_group(k) for k in range(NODES)]
+        victim, survivors = groups[-1], groups[:-1]
+
+        def reached():
+            return max((s for g in groups for _, s in g.steps() if s >= a.kill_at), default=None)
+
+        wait_for(reached, f"step {a.kill_at}", nodes=nodes, alive=groups)
+        t_kill = now_ms()
+        victim.kill_tree(signal.SIGKILL if a.signal == "KILL" else signal.SIGTERM)
+        last_before = max((s for g in groups for ts, s in g.steps() if ts <= t_kill), default=0)
+
+        def recovered():
+            firsts = []
+            for g in survivors:
+                after = [(ts, s) for ts, s in g.steps() if ts > t_kill]
+                if not after:
+                    return None
+                firsts.append(after[0])
+            return firsts
+
+        firsts = wait_for(recovered, "the surviving groups' first committed step", nodes=nodes, alive=survivors)
+        ts = max(t for t, _ in firsts)
+        first = min(s for _, s in firsts)
+        out = {
+            "step_ms": steady_step_ms(rank0_node(groups, t_kill), 0, t_kill),
+            "recovery_s": (ts - t_kill) / 1000.0,
+            "steps_redone": max(0, last_before - (first - 1)),
+            "last_step_before_kill": last_before,
+            "first_step_after": first,
+            "resume_step": first - 1,
+        }
+        if a.join:
+            t_start = now_ms()
+            joiner = start_group(NODES)
+            ts_j, _ = wait_for(lambda: next(iter(joiner.steps()), None), "the new group's first committed step",
+                               nodes=nodes, alive=[*survivors, joiner])
+            out.update(join_first_step_s=(ts_j - t_start) / 1000.0, join_bytes_from_store=0,
+                       join_healed=any("healed from a live group" in t for _, t in joiner.lines))
+        return out
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--system", required=True,
@@ -395,12 +531,19 @@ def main():
     p.add_argument("--lease-ttl-ms", type=int, default=3000)
     p.add_argument("--settle-ms", type=int, default=500)
     p.add_argument("--keep", action="store_true", help="keep the run's logs and files")
+    p.add_argument("--join", action="store_true",
+                   help="elastic systems: after the recovery, a fresh node joins; time it and count its store bytes")
     a = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-recovery-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         t = time.perf_counter()
         try:
-            r = run_elastic(a, tmp) if a.system.startswith("elastic") else run_torchrun(a, tmp)
+            if a.system.startswith("elastic"):
+                r = run_elastic(a, tmp)
+            elif a.system == "torchft":
+                r = run_torchft(a, tmp)
+            else:
+                r = run_torchrun(a, tmp)
             r.setdefault("recovered", "error" not in r)
         except NotRecovered as e:
             r = {"recovered": False, "error": e.args[0], "log_tail": e.args[1][-3000:]}

@@ -105,8 +105,12 @@ def run_recovery(a):
     for rep in range(reps):
         for system in common.rotate(a.recovery_systems, rep):
             for sig in a.signals:
+                if system == "torchft" and sig != "KILL":
+                    continue  # no drain: a SIGTERM ends its workers as a SIGKILL does
                 argv = [PY, os.path.join(HERE, "recovery.py"), "--system", system, "--signal", sig,
                         "--steps", str(a.recovery_steps), "--kill-at", str(a.kill_at)]
+                if (system.startswith("elastic") or system == "torchft") and sig == "KILL":
+                    argv.append("--join")
                 try:
                     for r in child(argv, f"recovery {system} SIG{sig} rep {rep}"):
                         r["rep"] = rep
@@ -315,9 +319,21 @@ def table_recovery(rows):
             detail = (f"new generation {fmt_s(med(ok, 'new_generation_s'))}, workers started "
                       f"{fmt_s(med(ok, 'workers_started_s'))}, cold start of a worker group {fmt_s(med(ok, 'cold_start_s'))}; "
                       f"resumed from step {med(ok, 'resume_step')}") if ok else ""
+        elif system == "torchft":
+            detail = (f"first committed step after: {med(ok, 'first_step_after')}; lighthouse join_timeout_ms 1000; "
+                      "gradients averaged with manager.allreduce (its DDP comm hook fails the survivors on gloo)"
+                      ) if ok else ""
         else:
             detail = f"restarted at step {med(ok, 'first_step_after')}" if ok else ""
-        if system.startswith("elastic") and ok and med(ok, "step_ms") is not None:
+        joined = [r for r in ok if r.get("join_first_step_s") is not None]
+        if joined:
+            healed = sum(1 for r in joined if r.get("join_healed"))
+            workers = med(joined, "join_workers_to_first_step_s")
+            detail += (f"; a fresh node joining after: first step {fmt_s(med(joined, 'join_first_step_s'))} after its "
+                       f"launcher started{'' if workers is None else f' (its workers {fmt_s(workers)})'}, "
+                       f"{int(med(joined, 'join_bytes_from_store')):,} bytes from the store, healed from peers "
+                       f"{healed}/{len(joined)}")
+        if (system.startswith("elastic") or system == "torchft") and ok and med(ok, "step_ms") is not None:
             detail += f"; steady step {med(ok, 'step_ms'):.1f} ms"
         errs = sorted({r.get("error", "")[:160] for r in rs if not r.get("recovered")})
         if errs:
@@ -447,7 +463,8 @@ def main():
     p.add_argument("--scale-window", type=int, default=10, help="seconds per steady-state window (default 10)")
     p.add_argument("--scale-ttl-ms", type=int, default=10000, help="member lease TTL in the scale runs")
     p.add_argument("--recovery-systems", type=words,
-                   default=words("elastic,torchrun-c10d,torchrun-c10d-own-store,torchrun-c10d-tuned,torchrun-etcd-v2"))
+                   default=words("elastic,elastic-in-place,torchft,torchrun-c10d,torchrun-c10d-own-store,"
+                                 "torchrun-c10d-tuned,torchrun-etcd-v2"))
     p.add_argument("--signals", type=words, default=words("KILL,TERM"))
     p.add_argument("--recovery-reps", type=int, default=None, help="repetitions of recovery runs (default --reps)")
     p.add_argument("--recovery-steps", type=int, default=400)
