@@ -365,9 +365,16 @@ class InPlace:
         import torch
 
         t = torch.tensor([ok], dtype=torch.int64, device=self._device())
+        before = self.failed
         result = self._wait(lambda: self.group.allreduce([t], _reduce_op("MIN")), t)
         if result is None:
-            self.failed = self.failed or "the commit vote did not complete"
+            if before is None:
+                why = self.failed if self.failed is not None else "given up for a newer generation"
+                self.failed = f"the commit vote did not complete ({why})"
+            if not self.offers.pending():
+                # The vote itself failed (a peer died inside it): the agent is told at once,
+                # as for a failed step, rather than left to wait for the lost peer's lease.
+                self._report_failure()
             return False
         if int(t[0]) != 1:
             self.failed = self.failed or "another rank's step failed"

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from unittest import mock
 
 from tests import test_client as tc
 
@@ -221,6 +222,57 @@ class SwitchCollectives(tc.Env):
         with self.assertRaisesRegex(_inplace.SwitchError, "aborted"):
             ip._sync(refuse)
         ip._sync(lambda: self.Work(self.Future(done=True)))
+
+
+class VoteFailure(tc.TorchEnv):
+    """A vote whose own collective fails (a peer was killed inside it) drops the step and
+    tells the agent at once; one given up for a newer offer tells it nothing."""
+
+    class Group:
+        def __init__(self, error):
+            self.error = error
+
+        def allreduce(self, tensors, opts):
+            fut = SwitchCollectives.Future(done=True, error=self.error)
+            return SwitchCollectives.Work(fut)
+
+    class Conn:
+        def __init__(self):
+            self.sent = []
+
+        def request(self, msg):
+            self.sent.append(msg)
+
+    def vote(self, offer_after_s, times):
+        from elastic_run import _inplace
+
+        ip = _inplace.InPlace.__new__(_inplace.InPlace)
+        ip.works, ip.timeout_s = [], 30.0
+        ip.offers = SwitchCollectives.Offers(offer_after_s)
+        ip.failed, ip.reported_for = None, None
+        ip.group = self.Group(RuntimeError("Connection reset by peer"))
+        conn = self.Conn()
+        self.env(RANK=1, ELASTIC_GENERATION=4)
+        with mock.patch.object(_inplace, "_agent_conn", lambda: conn):
+            oks = []
+            for _ in range(times):
+                oks.append((ip.commit(), len(conn.sent)))
+        return oks, ip, conn
+
+    def test_a_vote_that_fails_drops_the_step_and_tells_the_agent_once(self):
+        oks, ip, conn = self.vote(offer_after_s=None, times=2)
+        # Told by the failed vote itself, and not again by the next step's.
+        self.assertEqual(oks, [(False, 1), (False, 1)])
+        self.assertEqual(ip.failed, "the commit vote did not complete (Connection reset by peer)")
+        self.assertEqual(len(conn.sent), 1, conn.sent)
+        msg = conn.sent[0]
+        self.assertEqual(msg["type"], "collective_failed")
+        self.assertEqual((msg["rank"], msg["generation"]), (1, 4))
+
+    def test_a_vote_given_up_for_a_newer_offer_tells_the_agent_nothing(self):
+        oks, _ip, conn = self.vote(offer_after_s=0.0, times=1)
+        self.assertEqual(oks, [(False, 0)])
+        self.assertEqual(conn.sent, [])
 
 
 class InPlaceGroup(tc.TorchEnv):
