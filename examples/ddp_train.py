@@ -83,6 +83,11 @@ def main():
                    help="every rank prints its final weights' digest, not only rank 0 (tests)")
     p.add_argument("--in-place", action="store_true",
                    help="switch to new generations in place instead of being restarted")
+    p.add_argument("--slow-voter", metavar="NODE", default=None,
+                   help="with --in-place, the workers of the node whose id is NODE wait "
+                        "--slow-vote-s before each commit vote, so that the other ranks wait "
+                        "inside the vote (tests: a fault then lands in the middle of it)")
+    p.add_argument("--slow-vote-s", type=float, default=0.5)
     args = p.parse_args()
 
     ip = None
@@ -171,8 +176,11 @@ def main():
                 total += loss.item()
             if ip is not None:
                 ip.sync_gradients(model)
+        if ip is not None and args.slow_voter == os.environ.get("ELASTIC_NODE_ID"):
+            time.sleep(args.slow_vote_s)
         if ip is not None and not ip.commit():
             # The step failed on some rank (a peer is gone): no rank applies it.
+            print(f"rank {rank}: the vote dropped step {step}: {ip.failed}", flush=True)
             step -= 1
             continue
         opt.step()

@@ -254,6 +254,10 @@ pub struct Scenario {
     /// More arguments for the training script.
     #[serde(default)]
     pub args: Vec<String>,
+    /// Text that some line of some worker's output must hold: proof that a fault landed
+    /// where the scenario aims it (inside the commit vote, say), not only near it.
+    #[serde(default)]
+    pub expect_output: Vec<String>,
     /// The agent binary, relative to the repository root; `--elastic-run` overrides it.
     #[serde(default)]
     pub elastic_run: Option<String>,
@@ -286,6 +290,8 @@ pub struct Scenario {
 pub const NODES_MAX: usize = 16;
 pub const NPROC_MAX: u32 = 8;
 pub const FAULTS_MAX: usize = 64;
+pub const EXPECT_OUTPUT_MAX: usize = 8;
+pub const EXPECT_OUTPUT_CHARS_MAX: usize = 200;
 
 impl Scenario {
     pub fn parse(text: &str, origin: &str) -> anyhow::Result<Scenario> {
@@ -366,6 +372,16 @@ impl Scenario {
         }
         if self.args.len() > 64 {
             return Err("more than 64 args".into());
+        }
+        if self.expect_output.len() > EXPECT_OUTPUT_MAX
+            || self
+                .expect_output
+                .iter()
+                .any(|t| t.is_empty() || t.len() > EXPECT_OUTPUT_CHARS_MAX)
+        {
+            return Err(format!(
+                "expect_output takes at most {EXPECT_OUTPUT_MAX} texts of 1..={EXPECT_OUTPUT_CHARS_MAX} bytes"
+            ));
         }
         if !(self.deadline_s > 0.0 && self.deadline_s <= 3600.0) {
             return Err("deadline_s outside (0, 3600]".into());
@@ -555,6 +571,7 @@ pub fn random_scenario(seed: u64, netns_ok: bool) -> Scenario {
         base_lr: d_base_lr(),
         example: None,
         args: vec![],
+        expect_output: vec![],
         elastic_run: None,
         staging_mb: d_staging_mb(),
         hang_timeout_s: 8.0,

@@ -41,6 +41,37 @@ pub(super) fn final_line(logs: &Path) -> (Option<u64>, Option<String>) {
     }
 }
 
+/// For each of `wanted`, the first line of the workers' output (`*.out` under `logs`, in file
+/// name order) that holds it, as `FILE: LINE` cut to 300 characters; `None` when no line does.
+pub(super) fn lines_holding(logs: &Path, wanted: &[String]) -> Vec<(String, Option<String>)> {
+    let mut found: Vec<(String, Option<String>)> =
+        wanted.iter().map(|w| (w.clone(), None)).collect();
+    if wanted.is_empty() {
+        return found;
+    }
+    let mut files: Vec<_> = std::fs::read_dir(logs)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "out"))
+        .collect();
+    files.sort();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap_or_default();
+        let name = f
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        for (w, hit) in found.iter_mut().filter(|(_, hit)| hit.is_none()) {
+            if let Some(l) = text.lines().find(|l| l.contains(w.as_str())) {
+                *hit = Some(format!("{name}: {l}").chars().take(300).collect());
+            }
+        }
+    }
+    found
+}
+
 /// `object_store` options for the store URL, from the agents' environment.
 pub(super) fn store_options(env: &[(String, String)]) -> Vec<(String, String)> {
     services::s3_store_options(env)
@@ -86,4 +117,43 @@ pub(super) async fn check_store(
     }
     let _ = std::fs::remove_dir_all(tmp.join("restore-check"));
     (committed, bad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_holding_finds_the_first_line_of_each_text_in_worker_output_only() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("node0-0.out"),
+            "step 1\nrank 0: the vote dropped step 7: x\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("node1-0.out"),
+            "rank 1: the vote dropped step 9: y\n",
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("node2-0.err"), "switched to generation 3\n").unwrap();
+        let found = lines_holding(
+            dir.path(),
+            &[
+                "the vote dropped".to_string(),
+                "switched to generation".to_string(),
+            ],
+        );
+        assert_eq!(
+            found,
+            vec![
+                (
+                    "the vote dropped".to_string(),
+                    Some("node0-0.out: rank 0: the vote dropped step 7: x".to_string())
+                ),
+                ("switched to generation".to_string(), None),
+            ]
+        );
+        assert!(lines_holding(dir.path(), &[]).is_empty());
+    }
 }

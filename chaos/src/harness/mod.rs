@@ -35,7 +35,7 @@ use crate::netns::Network;
 use crate::proxy::Proxy;
 use crate::report::{self, Report};
 use crate::scenario::{self as sc, Fault, FaultKind, Scenario, StoreKind, schedule};
-use end_state::{check_store, failure_message, final_line, store_options};
+use end_state::{check_store, failure_message, final_line, lines_holding, store_options};
 use mounts::Mounts;
 use nodes::Run;
 pub use procs::{children, leftovers, workers};
@@ -338,6 +338,7 @@ async fn run_once(
     let live = watcher.await.unwrap_or_default();
     let (committed, bad_steps) = check_store(&url, direct_opts, &out).await;
     let (done_step, digest) = final_line(&out.join("logs"));
+    let expected_output = lines_holding(&out.join("logs"), &s.expect_output);
     let (reference_digest, weights) = match reference {
         Some(r) => {
             let diff = crate::weights::compare(&out.join(FINAL_STATE_DIR), &r.state)
@@ -371,6 +372,7 @@ async fn run_once(
         reference_digest,
         live,
         failure_messages,
+        expected_output,
         unreadable_events,
         truncated_events,
     };

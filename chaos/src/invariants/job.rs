@@ -47,6 +47,30 @@ pub(super) fn ending(s: &Scenario, o: &Outcome) -> Check {
     }
 }
 
+/// 7b. With `expect_output`: the workers printed each text (the fault landed where the
+///     scenario aims it).
+pub(super) fn expected_output(o: &Outcome) -> Option<Check> {
+    if o.expected_output.is_empty() {
+        return None;
+    }
+    let missing: Vec<&str> = o
+        .expected_output
+        .iter()
+        .filter(|(_, hit)| hit.is_none())
+        .map(|(w, _)| w.as_str())
+        .collect();
+    let detail = if missing.is_empty() {
+        o.expected_output
+            .iter()
+            .filter_map(|(_, hit)| hit.as_deref())
+            .collect::<Vec<_>>()
+            .join("; ")
+    } else {
+        format!("no worker printed {missing:?}")
+    };
+    Some(Check::new("expected_output", missing.is_empty(), detail))
+}
+
 /// 8. Nothing left running.
 pub(super) fn no_process_left(o: &Outcome) -> Check {
     Check::new(
@@ -108,6 +132,30 @@ mod tests {
         o.timed_out = false;
         o.exits = vec![("a".into(), Some(0))];
         assert!(!verdict(&o).ok, "it did not fail");
+    }
+
+    #[test]
+    fn expected_output_that_no_worker_printed_fails_the_run() {
+        let s = scenario();
+        let verdict = |o: &Outcome| {
+            check(&s, &events(), &[], o)
+                .into_iter()
+                .find(|c| c.name == "expected_output")
+        };
+        let mut o = outcome();
+        assert!(verdict(&o).is_none(), "no check without expect_output");
+        o.expected_output = vec![
+            (
+                "vote".into(),
+                Some("node1-0.out: the vote dropped step 7".into()),
+            ),
+            ("switched".into(), None),
+        ];
+        let c = verdict(&o).unwrap();
+        assert!(!c.ok && c.detail.contains("switched"), "{}", c.detail);
+        o.expected_output[1].1 = Some("node0-0.out: switched to generation 2".into());
+        let c = verdict(&o).unwrap();
+        assert!(c.ok && c.detail.contains("dropped step 7"), "{}", c.detail);
     }
 
     #[test]

@@ -63,6 +63,10 @@ pub struct Outcome {
     pub live: crate::watch::WatchReport,
     /// `(node, message)`: the last `elastic-run: ...` error line of each agent that printed one.
     pub failure_messages: Vec<(String, String)>,
+    /// The scenario's `expect_output` texts, each with the first worker output line that
+    /// holds it (`None`: no line does, which fails the run).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub expected_output: Vec<(String, Option<String>)>,
     /// Lines of the event log that are no record (`FILE line N: ...`); any fails the run.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub unreadable_events: Vec<String>,
@@ -113,6 +117,7 @@ pub fn check(s: &Scenario, events: &[Record], fired: &[Fired], o: &Outcome) -> V
     ];
     out.extend(training::matches_reference(s, events, o));
     out.extend(store::live(o));
+    out.extend(job::expected_output(o));
     out.push(job::no_process_left(o));
     out.push(job::event_log_readable(events, o));
     out
