@@ -64,6 +64,7 @@ pub mod notice;
 pub mod output;
 pub mod pipeline;
 pub mod signals;
+pub mod standby;
 pub mod state;
 pub mod status;
 pub mod supervisor;

@@ -25,6 +25,8 @@ const REQUEST_TIMEOUT_MS: u64 = 5_000;
 pub struct Metrics {
     pub worker_groups_started_total: AtomicU64,
     pub worker_restarts_total: AtomicU64,
+    /// Workers started in a warm standby (`--warm-standby`) rather than a fresh interpreter.
+    pub warm_standby_starts_total: AtomicU64,
     pub checkpoints_committed_total: AtomicU64,
     pub checkpoint_failures_total: AtomicU64,
     pub checkpoint_bytes_total: AtomicU64,
@@ -157,6 +159,12 @@ impl Metrics {
             "counter",
             "Worker groups started (generations and restarts).",
             get(&self.worker_groups_started_total).to_string(),
+        );
+        metric(
+            "elastic_warm_standby_starts_total",
+            "counter",
+            "Workers started in a warm standby interpreter (--warm-standby).",
+            get(&self.warm_standby_starts_total).to_string(),
         );
         metric(
             "elastic_worker_restarts_total",

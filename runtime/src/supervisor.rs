@@ -16,6 +16,7 @@
 //! - Where each worker's stdout and stderr go is [`crate::logs`]'s (inherited by default);
 //!   a failure carries what torchrun's root-cause summary shows ([`WorkerFailure::summary`]).
 
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
@@ -33,9 +34,13 @@ pub use crate::failure::{
 };
 use crate::logs::{Dest, Logs};
 use crate::output::{self, Stream, Tail};
+use crate::standby::{self, Standbys, Unfit};
 use crate::state::AgentState;
 use crate::worker_env::{self, GenerationView, LauncherEnv, WorkerSpec};
 
+/// With `--warm-standby`, how long after a group's start its standbys start when it reports
+/// no step before.
+const STANDBY_FILL_AFTER_MS: u64 = 10_000;
 /// How long to wait for SIGKILLed workers to be reaped and their output drained.
 const REAP_AFTER_KILL_MS: u64 = 5_000;
 /// How long to wait for output pumps after the workers are gone (a grandchild outside the
@@ -56,6 +61,8 @@ pub struct SupervisorConfig {
     pub stop_grace: Duration,
     /// Whether the agent's own environment sets `OMP_NUM_THREADS`.
     pub omp_num_threads_set: bool,
+    /// `--warm-standby`: the interpreters waiting to become the next group's workers.
+    pub standbys: Option<Arc<Standbys>>,
 }
 
 /// What torchrun's launcher flags add to every worker group, for the agent's life: where
@@ -239,7 +246,15 @@ async fn run_group(
         .metrics
         .worker_groups_started_total
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    state
+        .metrics
+        .warm_standby_starts_total
+        .fetch_add(group.warm, std::sync::atomic::Ordering::Relaxed);
     let started = Instant::now();
+    // The standbys for the next group start once this one trains (its first step), or after
+    // STANDBY_FILL_AFTER_MS for a script that never reports steps: not while its own
+    // interpreters start on the same cores.
+    let mut standbys_due = cfg.standbys.is_some();
     let mut tick = tokio::time::interval(cfg.monitor_interval.max(Duration::from_millis(10)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let end = loop {
@@ -272,6 +287,14 @@ async fn run_group(
             },
             _ = tick.tick() => {
                 let now = Instant::now();
+                if standbys_due
+                    && drain_deadline.is_none()
+                    && (state.last_progress().is_some()
+                        || now.duration_since(started) >= Duration::from_millis(STANDBY_FILL_AFTER_MS))
+                {
+                    standbys_due = false;
+                    fill_standbys(cfg, spec, view, restarts, launcher);
+                }
                 if drain_deadline.is_some_and(|d| now >= d) {
                     break GroupEnd::DrainTimedOut;
                 }
@@ -310,6 +333,8 @@ struct WorkerGroup {
     tails: Vec<StderrTail>,
     error_files: Vec<PathBuf>,
     tasks: Vec<JoinHandle<()>>,
+    /// Workers started in a warm standby.
+    warm: u64,
 }
 
 /// Where a worker's last stderr lines can be found for its failure report.
@@ -340,6 +365,7 @@ impl WorkerGroup {
             tails: Vec::with_capacity(nproc),
             error_files: Vec::with_capacity(nproc),
             tasks: Vec::with_capacity(3 * nproc),
+            warm: 0,
         };
         let attempt = launcher
             .logs
@@ -387,34 +413,53 @@ impl WorkerGroup {
                 Dest::File(p, _) => StderrTail::File(p.clone()),
                 Dest::Console | Dest::Null => StderrTail::None,
             };
-            let (stdout, out_tee) = stdio(logs.stdout);
-            let (stderr, err_tee) = stdio(logs.stderr);
-            let mut child = match spawn_worker(&cfg.argv, &env, stdout, stderr) {
-                Ok(c) => c,
-                Err(e) => {
-                    let msg = format!("cannot start `{}`: {e}", cfg.argv.join(" "));
-                    // Workers already started must not keep running without their peers.
-                    let mut partial = group;
-                    tokio::spawn(async move { partial.stop(Duration::ZERO).await });
-                    return Err(spawn_failure(msg));
+            let rank = view.rank_offset + local_rank;
+            let kept = match &tail {
+                StderrTail::Kept(t) => Some(t.clone()),
+                _ => None,
+            };
+            let warm = cfg
+                .standbys
+                .as_deref()
+                .and_then(|pool| warm_start(pool, local_rank, &env, &logs.stdout, &logs.stderr));
+            let mut child = match warm {
+                Some((child, pumps)) => {
+                    group.warm += 1;
+                    for (read, to, stream) in pumps {
+                        let kept = (stream == Stream::Stderr).then(|| kept.clone()).flatten();
+                        group
+                            .tasks
+                            .push(tokio::spawn(output::pump(read, to, stream, kept)));
+                    }
+                    child
+                }
+                None => {
+                    let (stdout, out_tee) = stdio(logs.stdout);
+                    let (stderr, err_tee) = stdio(logs.stderr);
+                    let mut child = match spawn_worker(&cfg.argv, &env, stdout, stderr) {
+                        Ok(c) => c,
+                        Err(e) => {
+                            let msg = format!("cannot start `{}`: {e}", cfg.argv.join(" "));
+                            // Workers already started must not keep running without their peers.
+                            let mut partial = group;
+                            tokio::spawn(async move { partial.stop(Duration::ZERO).await });
+                            return Err(spawn_failure(msg));
+                        }
+                    };
+                    if let (Some(out), Some(to)) = (child.stdout.take(), out_tee) {
+                        group
+                            .tasks
+                            .push(tokio::spawn(output::pump(out, to, Stream::Stdout, None)));
+                    }
+                    if let (Some(err), Some(to)) = (child.stderr.take(), err_tee) {
+                        group
+                            .tasks
+                            .push(tokio::spawn(output::pump(err, to, Stream::Stderr, kept)));
+                    }
+                    child
                 }
             };
-            let rank = view.rank_offset + local_rank;
             let pid = child.id().map(|p| p as i32).unwrap_or(0);
-            if let (Some(out), Some(to)) = (child.stdout.take(), out_tee) {
-                group
-                    .tasks
-                    .push(tokio::spawn(output::pump(out, to, Stream::Stdout, None)));
-            }
-            if let (Some(err), Some(to)) = (child.stderr.take(), err_tee) {
-                let kept = match &tail {
-                    StderrTail::Kept(t) => Some(t.clone()),
-                    _ => None,
-                };
-                group
-                    .tasks
-                    .push(tokio::spawn(output::pump(err, to, Stream::Stderr, kept)));
-            }
             let tx = tx.clone();
             group.tasks.push(tokio::spawn(async move {
                 let status = match child.wait().await {
@@ -561,6 +606,106 @@ impl WorkerGroup {
     }
 }
 
+/// Starts the missing standbys, each with the environment its rank's worker has now.
+fn fill_standbys(
+    cfg: &SupervisorConfig,
+    spec: &WorkerSpec,
+    view: &GenerationView,
+    restarts: u32,
+    launcher: &Launcher,
+) {
+    let Some(pool) = cfg.standbys.as_deref() else {
+        return;
+    };
+    let error_file = spec.run_dir.join("standby");
+    let started = pool.fill(spec.nproc, |local_rank| {
+        worker_env::worker_env(
+            spec,
+            view,
+            local_rank,
+            restarts,
+            cfg.omp_num_threads_set,
+            &launcher.env,
+            &error_file,
+        )
+        .ok()
+    });
+    if started > 0 {
+        tracing::info!(started, "warm standbys started for the next worker group");
+    }
+}
+
+/// A teed stream of a worker started from a standby: the pipe's read end and where it goes.
+type Pump = (
+    tokio::net::unix::pipe::Receiver,
+    Arc<crate::logs::Tee>,
+    Stream,
+);
+
+/// Starts `local_rank`'s worker from its warm standby, if it has a fit one: the child and the
+/// pumps of its teed streams. `None`: start it cold (why is logged).
+fn warm_start(
+    pool: &Standbys,
+    local_rank: u32,
+    env: &[(String, String)],
+    stdout: &Dest,
+    stderr: &Dest,
+) -> Option<(tokio::process::Child, Vec<Pump>)> {
+    let s = match pool.take(local_rank, env) {
+        Ok(s) => s,
+        Err(Unfit::None) => return None,
+        Err(Unfit::Exited) => {
+            tracing::warn!(
+                local_rank,
+                "the warm standby had exited; starting the worker cold"
+            );
+            return None;
+        }
+        Err(Unfit::Env(key)) => {
+            tracing::info!(local_rank, variable = %key, "the worker's environment changed since its warm standby started; starting it cold");
+            return None;
+        }
+    };
+    let mut pumps = Vec::new();
+    let mut give = |dest: &Dest, fd: i32, stream: Stream| -> std::io::Result<OwnedFd> {
+        match dest {
+            Dest::Console => {
+                // SAFETY: fd 1 or 2 stays open for the agent's life; the clone is owned here.
+                unsafe { BorrowedFd::borrow_raw(fd) }.try_clone_to_owned()
+            }
+            Dest::Null => Ok(std::fs::OpenOptions::new()
+                .write(true)
+                .open("/dev/null")?
+                .into()),
+            Dest::File(_, f) => Ok(f.try_clone()?.into()),
+            Dest::Tee(t) => {
+                let (read, write) = standby::pipe()?;
+                let read = tokio::net::unix::pipe::Receiver::from_owned_fd(read)?;
+                pumps.push((read, t.clone(), stream));
+                Ok(write)
+            }
+        }
+    };
+    let handed = give(stdout, 1, Stream::Stdout)
+        .and_then(|out| Ok((out, give(stderr, 2, Stream::Stderr)?)))
+        .and_then(|(out, err)| s.activate(pool.plan(), env, out, err));
+    match handed {
+        Ok((child, waited)) => {
+            tracing::info!(
+                local_rank,
+                pid = child.id(),
+                standby_age_ms = waited.as_millis() as u64,
+                "worker started from a warm standby"
+            );
+            Some((child, pumps))
+        }
+        Err(e) => {
+            tracing::warn!(local_rank, error = %e, "cannot hand the worker to its warm standby; starting it cold");
+            None
+        }
+    }
+}
+
 /// How a worker stream is given to the child, and the tee to pump it into when piped.
 fn stdio(dest: Dest) -> (Stdio, Option<Arc<crate::logs::Tee>>) {
     match dest {
@@ -694,6 +839,7 @@ mod tests {
             startup_timeout: Duration::from_millis(300),
             stop_grace: Duration::from_secs(2),
             omp_num_threads_set: false,
+            standbys: None,
         }
     }
 

@@ -94,6 +94,17 @@ pub(super) async fn start(
         agent_socket: socket_path.clone(),
         run_dir: run_dir.path.clone(),
     };
+    let standbys = if cli.warm_standby {
+        match crate::standby::Plan::for_argv(&argv, &cli.python) {
+            Ok(plan) => Some(Arc::new(crate::standby::Standbys::new(plan))),
+            Err(why) => {
+                tracing::warn!("--warm-standby is off for this command: {why}");
+                None
+            }
+        }
+    } else {
+        None
+    };
     let sup_cfg = SupervisorConfig {
         argv,
         monitor_interval: cli.monitor_interval,
@@ -101,6 +112,7 @@ pub(super) async fn start(
         startup_timeout: cli.startup_timeout,
         stop_grace,
         omp_num_threads_set: std::env::var_os("OMP_NUM_THREADS").is_some(),
+        standbys,
     };
 
     // Signals first: a SIGTERM from here on drains instead of killing the agent.

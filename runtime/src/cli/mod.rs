@@ -364,6 +364,15 @@ pub struct Cli {
     #[arg(long = "node-id", env = "ELASTIC_NODE_ID")]
     pub node_id: Option<String>,
 
+    /// Keep a warm standby interpreter per local rank (torch imported) while the workers
+    /// train, and start the next group's workers in them: a restart skips the interpreter's
+    /// start and `import torch`. For `PYTHON -u SCRIPT` and `-m MODULE` command lines; costs a
+    /// whole idle interpreter's memory per local rank.
+    #[arg(long = "warm-standby", env = "ELASTIC_WARM_STANDBY", num_args = 0,
+          default_missing_value = "1", default_value = "0", action = clap::ArgAction::Set,
+          value_parser = parse_bool_env)]
+    pub warm_standby: bool,
+
     /// Restart the workers when none reports progress (`elastic_run.report_progress`) for this
     /// long once they started reporting. Off by default; workers that never report must not
     /// set it.

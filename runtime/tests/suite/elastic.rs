@@ -887,7 +887,8 @@ fn status_shows_members_generation_and_commits() {
 fn a_crashing_worker_restarts_every_node_from_the_newest_commit() {
     let job = Job::new("file");
     // Rank 3 (on q) crashes once at step 8: every node restarts from the newest commit, at
-    // the same world size.
+    // the same world size, its new workers started in the warm standbys (`--warm-standby`)
+    // that each agent started once its first group trained.
     let with = |node: &str, restarts: &str| {
         let mut c = job.command(
             node,
@@ -907,6 +908,7 @@ fn a_crashing_worker_restarts_every_node_from_the_newest_commit() {
             ],
         );
         c.env("PET_MAX_RESTARTS", "1");
+        c.env("ELASTIC_WARM_STANDBY", "1");
         c
     };
     let p = job.start_cmd("p", with("p", "1"));
@@ -918,6 +920,15 @@ fn a_crashing_worker_restarts_every_node_from_the_newest_commit() {
     assert_eq!(code_q, 0, "{out_q}\n{err_q}");
     assert!(out_q.contains("crashing at step 8"), "{out_q}");
     assert!(out_p.contains("done step 40 "), "{out_p}");
+    // Every worker of generation 2 ran in a standby, and its output reached the agent's
+    // (rank 0's last line above came from one).
+    for (node, err) in [("p", &err_p), ("q", &err_q)] {
+        assert_eq!(
+            err.matches("worker started from a warm standby").count(),
+            2,
+            "{node}: {err}"
+        );
+    }
     // Both nodes start generation 2's workers. q counts its failure as a restart; p counts one
     // only when its own workers failed on the lost peer before q's restart request reached
     // it, else it restarts for the new generation, uncounted (the decision core does not count
