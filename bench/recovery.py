@@ -6,7 +6,10 @@ does), and the time until the survivors train again plus the steps they redo.
         [--step-sleep 0.05] [--keep]
 
 SYSTEM: elastic, elastic-in-place (the same, with ddp_train.py --in-place: the survivors'
-workers switch to the new generation without a restart), torchrun-c10d (the brief's flags, torch defaults), torchrun-c10d-own-store
+workers switch to the new generation without a restart), elastic-standby (elastic with
+--warm-standby: the survivors' restarted workers start in interpreters that already imported
+torch; `warm_workers` counts them, `import_torch_s` is `python -c "import torch"` timed alone
+before the run), torchrun-c10d (the brief's flags, torch defaults), torchrun-c10d-own-store
 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), torchrun-c10d-tuned (that, and last_call_timeout=1),
 torchrun-etcd-v2 (torchrun's etcd backend, etcd v2 API, against etcd --enable-v2).
 
@@ -52,7 +55,7 @@ import common  # noqa: E402
 
 STEP_RE = re.compile(r"(?:^|\] )step (\d+) loss")
 NODES = 3
-SYSTEMS = ["elastic", "elastic-in-place", "torchrun-c10d", "torchrun-c10d-own-store", "torchrun-c10d-tuned",
+SYSTEMS = ["elastic", "elastic-in-place", "elastic-standby", "torchrun-c10d", "torchrun-c10d-own-store", "torchrun-c10d-tuned",
            "torchrun-etcd-v2", "torchft"]
 NPROC = 2
 # How long one phase (start-up, recovery) may take before the run is declared failed.
@@ -91,6 +94,10 @@ class Node:
                     self.lines.append((ts, text))
                     self.log.write(f"{ts:.0f} {text}\n")
         self.log.flush()
+
+    def lines_since(self, ts_ms):
+        with self.lock:
+            return [(ts, text) for ts, text in self.lines if ts >= ts_ms]
 
     def steps(self):
         with self.lock:
@@ -175,8 +182,16 @@ def train_cmd(a):
     return cmd
 
 
+def import_torch_s(env):
+    """`python -u -c "import torch"` alone: the interpreter-and-import time a standby saves."""
+    t = time.perf_counter()
+    subprocess.run([os.path.join(common.VENV, "bin", "python"), "-u", "-c", "import torch"], env=env, check=True)
+    return round(time.perf_counter() - t, 3)
+
+
 def run_elastic(a, tmp):
     binary = os.environ.get("ELASTIC_RUN") or os.path.join(common.REPO, "target", "release", "elastic-run")
+    imported_s = import_torch_s(worker_env(tmp)) if a.system == "elastic-standby" else None
     etcd = common.start_etcd()
     nodes = []
     try:
@@ -193,6 +208,7 @@ def run_elastic(a, tmp):
                     "--rdzv-conf", f"lease_ttl_ms={a.lease_ttl_ms},settle_ms={a.settle_ms}",
                     "--checkpoint-url", f"file://{ckpt}", "--checkpoint-interval", str(a.checkpoint_interval),
                     "--staging-dir", os.path.join(tmp, f"staging-{name}"), "--events-file", events[name],
+                    *(["--warm-standby"] if a.system == "elastic-standby" else []),
                     "--", *train_cmd(a)]
             nodes.append(Node(name, argv, env, tmp))
             return nodes[-1]
@@ -260,8 +276,13 @@ def run_elastic(a, tmp):
         drained_commit = min((e["ts_ms"] for n in ev for e in ev[n]
                               if e["event"] == "checkpoint_committed" and left and e["step"] == left[0]), default=None)
         joined = run_joiner(a, start_node, all_events, nodes, survivors) if a.join else {}
+        warm = sum(1 for n in survivors for ts, text in n.lines_since(t_kill)
+                   if "worker started from a warm standby" in text)
         return {
             **joined,
+            "import_torch_s": imported_s,
+            "warm_workers": warm if a.system == "elastic-standby" else None,
+            "workers_to_first_step_s": (first_ms - started_ms) / 1000.0,
             "after_drained_commit_s": None if drained_commit is None else (first_ms - drained_commit) / 1000.0,
             "drained_step": left[0] if left else None,
             "step_ms": step_ms,

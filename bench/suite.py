@@ -315,10 +315,14 @@ def table_recovery(rows):
             drained = [r for r in ok if r.get("after_drained_commit_s") is not None]
             if drained:
                 detail += f"; after the drained step's commit {fmt_s(med(drained, 'after_drained_commit_s'))}"
-        elif system == "elastic":
+        elif system in ("elastic", "elastic-standby"):
             detail = (f"new generation {fmt_s(med(ok, 'new_generation_s'))}, workers started "
-                      f"{fmt_s(med(ok, 'workers_started_s'))}, cold start of a worker group {fmt_s(med(ok, 'cold_start_s'))}; "
-                      f"resumed from step {med(ok, 'resume_step')}") if ok else ""
+                      f"{fmt_s(med(ok, 'workers_started_s'))}, workers started -> first step "
+                      f"{fmt_s(med(ok, 'workers_to_first_step_s'))}, cold start of a worker group "
+                      f"{fmt_s(med(ok, 'cold_start_s'))}; resumed from step {med(ok, 'resume_step')}") if ok else ""
+            if system == "elastic-standby" and ok:
+                detail += (f"; survivors' workers started in a warm standby {med(ok, 'warm_workers')} of 4 "
+                           f"(median); `import torch` alone {fmt_s(med(ok, 'import_torch_s'))}")
         elif system == "torchft":
             detail = (f"first committed step after: {med(ok, 'first_step_after')}; lighthouse join_timeout_ms 1000; "
                       "gradients averaged with manager.allreduce (its DDP comm hook fails the survivors on gloo)"
