@@ -82,9 +82,11 @@ TIMEOUT_S = 300.0
 FORM_TIMEOUT_S = 90.0
 # Offers taken at one switch while newer ones replace them.
 _SWITCH_ATTEMPTS_MAX = 8
-# A collective's completion is polled from this pause, doubling up to _POLL_S, which is also how
-# soon a wait notices an offer.
-_POLL_FIRST_S = 0.0001
+# A collective's completion is polled every _POLL_FINE_S for its first _POLL_FINE_FOR_S (a
+# step's collectives: a late look is a late step), then every _POLL_S, which is also how soon a
+# long wait notices an offer.
+_POLL_FINE_S = 0.0001
+_POLL_FINE_FOR_S = 0.05
 _POLL_S = 0.005
 # How long closing waits for the client's own threads to end.
 _STOP_JOIN_S = 2.0
@@ -556,15 +558,14 @@ class InPlace:
     def _given_up(self, fut):
         """Polls ``fut`` in slices until it is done (None), or says why it is given up: a newer
         generation was offered meanwhile, or ``timeout_s`` passed."""
-        deadline = time.monotonic() + self.timeout_s
-        pause = _POLL_FIRST_S
+        start = time.monotonic()
         while not fut.done():
             if self.offers.pending():
                 return "a newer generation was offered"
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - start
+            if waited > self.timeout_s:
                 return f"it did not complete in {self.timeout_s:g} s"
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_S)
+            time.sleep(_POLL_FINE_S if waited < _POLL_FINE_FOR_S else _POLL_S)
         return None
 
     def _retire(self, group, store):
