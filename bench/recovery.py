@@ -276,8 +276,9 @@ def run_elastic(a, tmp):
         drained_commit = min((e["ts_ms"] for n in ev for e in ev[n]
                               if e["event"] == "checkpoint_committed" and left and e["step"] == left[0]), default=None)
         joined = run_joiner(a, start_node, all_events, nodes, survivors) if a.join else {}
+        # The recovery's own restart (a joiner's generation restarts the survivors again).
         warm = sum(1 for n in survivors for ts, text in n.lines_since(t_kill)
-                   if "worker started from a warm standby" in text)
+                   if ts <= first_ms and "worker started from a warm standby" in text)
         return {
             **joined,
             "import_torch_s": imported_s,
