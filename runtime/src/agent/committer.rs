@@ -56,6 +56,10 @@ pub(super) struct Committer {
     pub(super) pending_tx: Arc<watch::Sender<usize>>,
     /// Cancels the commits of the current era (between two generations).
     pub(super) era: CancellationToken,
+    /// The first generation of the current era, and the token of the era
+    /// [`Committer::retire_era`] ended: a step of an older generation queued after the switch
+    /// (held by the agent loop while the queue was full) belongs to that era, not this one.
+    retired: Option<(u64, CancellationToken)>,
     pub(super) committed: watch::Receiver<Option<CommitPoint>>,
     pub(super) task: tokio::task::JoinHandle<bool>,
 }
@@ -86,8 +90,17 @@ impl Committer {
             pending,
             pending_tx,
             era: CancellationToken::new(),
+            retired: None,
             committed,
             task,
+        }
+    }
+
+    /// The token that cancels `step`'s commit: its generation's era.
+    fn token_for(&self, step: &StepToCommit) -> CancellationToken {
+        match &self.retired {
+            Some((since, old)) if step.generation < *since => old.clone(),
+            _ => self.era.clone(),
         }
     }
 
@@ -96,7 +109,8 @@ impl Committer {
     pub(super) fn try_submit(&self, step: StepToCommit) -> Result<(), StepToCommit> {
         // Counted before the send: the committer may finish it (and count it down) at once.
         self.pending_tx.send_modify(|n| *n += 1);
-        let r = self.tx.try_send((step, self.era.clone()));
+        let token = self.token_for(&step);
+        let r = self.tx.try_send((step, token));
         if r.is_err() {
             self.pending_tx.send_modify(|n| *n = n.saturating_sub(1));
         }
@@ -120,7 +134,8 @@ impl Committer {
         step: StepToCommit,
     ) {
         self.pending_tx.send_modify(|n| *n += 1);
-        permit.send((step, self.era.clone()));
+        let token = self.token_for(&step);
+        permit.send((step, token));
     }
 
     /// Queues a step, waiting for room until `deadline` (after a worker group ended, when the
@@ -132,11 +147,12 @@ impl Committer {
         deadline: Instant,
     ) -> Result<(), StepToCommit> {
         let s = step.step;
+        let token = self.token_for(&step);
         self.pending_tx.send_modify(|n| *n += 1);
         let permit = tokio::time::timeout_at(deadline.into(), self.tx.reserve()).await;
         match permit {
             Ok(Ok(permit)) => {
-                permit.send((step, self.era.clone()));
+                permit.send((step, token));
                 Ok(())
             }
             Ok(Err(_)) => {
@@ -182,10 +198,12 @@ impl Committer {
         done
     }
 
-    /// Starts a new era for the steps queued from now on, and cancels the steps of the old
-    /// one still pending after `limit`, in the background (the caller goes on at once).
-    pub(super) fn retire_era(&mut self, limit: Duration) {
+    /// Starts a new era at `generation`, and cancels the steps of the old one still pending
+    /// after `limit`, in the background (the caller goes on at once). A step of an older
+    /// generation queued later joins the old era: cancelled at once once `limit` has passed.
+    pub(super) fn retire_era(&mut self, generation: u64, limit: Duration) {
         let old = std::mem::replace(&mut self.era, CancellationToken::new());
+        self.retired = Some((generation, old.clone()));
         let mut pending = self.pending.clone();
         tokio::spawn(
             async move {
@@ -444,4 +462,59 @@ pub(super) async fn commit_loop(
         pending.send_modify(|n| *n = n.saturating_sub(1));
     }
     ok
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(step: u64, generation: u64) -> StepToCommit {
+        StepToCommit {
+            step,
+            generation,
+            world_size: 1,
+            parts: Vec::new(),
+            agent_metadata: serde_json::Value::Null,
+        }
+    }
+
+    /// A committer whose queue the test reads itself.
+    fn committer() -> (Committer, mpsc::Receiver<(StepToCommit, CancellationToken)>) {
+        let (tx, rx) = mpsc::channel(4);
+        let (pending_tx, pending) = watch::channel(0usize);
+        let (_, committed) = watch::channel(None);
+        let c = Committer {
+            tx,
+            pending,
+            pending_tx: Arc::new(pending_tx),
+            era: CancellationToken::new(),
+            retired: None,
+            committed,
+            task: tokio::spawn(async { true }),
+        };
+        (c, rx)
+    }
+
+    /// A step of the generation that lost a member, held by the agent loop until after the
+    /// switch (the queue was full), joins its own era: cancelled with it, not left to wait for
+    /// the lost member's part until the commit deadline while the new generation's steps queue
+    /// behind it.
+    #[tokio::test]
+    async fn a_step_of_a_retired_generation_queued_after_the_switch_is_cancelled_with_its_era() {
+        let (mut c, mut rx) = committer();
+        c.retire_era(2, Duration::from_millis(20));
+        c.try_submit(step(40, 1)).unwrap();
+        c.try_submit(step(45, 2)).unwrap();
+        let (s40, old) = rx.recv().await.unwrap();
+        let (s45, new) = rx.recv().await.unwrap();
+        assert_eq!((s40.step, s45.step), (40, 45));
+        tokio::time::timeout(Duration::from_secs(5), old.cancelled())
+            .await
+            .expect("the retired generation's step is cancelled after the limit");
+        assert!(!new.is_cancelled(), "the new generation's step is not");
+        // Queued once the old era is cancelled: cancelled at once.
+        c.try_submit(step(41, 1)).unwrap();
+        let (_, late) = rx.recv().await.unwrap();
+        assert!(late.is_cancelled());
+    }
 }

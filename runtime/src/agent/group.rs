@@ -389,7 +389,10 @@ fn complete_switch(
             .iter()
             .any(|m| sw.generation.member(&m.node_id).is_none())
     {
-        committer.retire_era(Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS));
+        committer.retire_era(
+            sw.view.generation,
+            Duration::from_millis(BETWEEN_GENERATIONS_FLUSH_MS),
+        );
     }
     let reached = node.state.step_before_switch();
     *last_step_reached = reached.or(*last_step_reached);
