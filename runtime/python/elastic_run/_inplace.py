@@ -113,6 +113,11 @@ class SwitchError(RuntimeError):
     did not form); the worker should exit and let the agent restart it."""
 
 
+class _Superseded(SwitchError):
+    """A newer generation was offered while this one's group formed (a member of this one was
+    lost before it joined): the switch takes the newer one."""
+
+
 def _is_collective_error(e):
     """Whether ``e`` is what a collective raises when a peer is gone (gloo's connection
     errors, a timed-out wait, a distributed backend error)."""
@@ -210,21 +215,25 @@ class _Offers:
                 self.offer = None
 
 
-def _form_group(timeout_s):
-    """This generation's process group, from the environment (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``, ``ELASTIC_GENERATION``): a TCPStore hosted by rank 0 and
-    a gloo (CPU) or NCCL (CUDA) group on a prefix of the generation's own. Returns
-    ``(store, group)``."""
+def _group_params():
+    """What forming this generation's group needs from the environment (``RANK``,
+    ``WORLD_SIZE``, ``ELASTIC_GENERATION``, ``MASTER_ADDR``, ``MASTER_PORT``), read at once."""
+    from ._env import generation, rank, world_size
+
+    return (rank(), world_size(), generation(), os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            int(os.environ.get("MASTER_PORT", "0")))
+
+
+def _form_group(timeout_s, params=None):
+    """This generation's process group (``params`` from :func:`_group_params`, read now when
+    None): a TCPStore hosted by rank 0 and a gloo (CPU) or NCCL (CUDA) group on a prefix of the
+    generation's own. Returns ``(store, group)``."""
     import torch
     import torch.distributed as dist
     from torch.distributed import PrefixStore, ProcessGroup, TCPStore
 
-    from ._env import generation, rank, world_size
-
-    r, w, g = rank(), world_size(), generation()
+    r, w, g, addr, port = params if params is not None else _group_params()
     timeout = datetime.timedelta(seconds=timeout_s)
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT", "0"))
     if r == 0 and port in _served:
         # This process served the store of an earlier generation on this port (the leader
         # alternates a node's two master ports), and that store may still be alive (held by
@@ -407,10 +416,12 @@ class InPlace:
             self.failed = None
             self.awaiting = None
             try:
-                self.store, self.group = _form_group(min(self.timeout_s, FORM_TIMEOUT_S))
+                self.store, self.group = self._form(min(self.timeout_s, FORM_TIMEOUT_S))
                 self.world = world_size()
                 step = self._agree(step)
                 break
+            except _Superseded as e:
+                print(f"elastic_run: {e}; taking the newer one", flush=True)
             except (SwitchError, RuntimeError) as e:
                 # A member was lost while the group formed or the ranks agreed (the rank whose
                 # state a joiner takes, say): this rank's state is as it was, and the
@@ -428,6 +439,44 @@ class InPlace:
             print(f"elastic_run: switched to generation {generation} in place at step {step} "
                   f"(world {self.world}) in {ms:.0f} ms", flush=True)
         return step
+
+    def _form(self, timeout_s):
+        """:func:`_form_group` on a helper thread, given up (``_Superseded``) when a newer
+        generation is offered meanwhile: forming blocks until every rank has come, and a
+        member lost after the leader froze this generation never comes, so without this the
+        rank would wait out ``timeout_s`` before it could take the generation without it. A
+        thread given up stays blocked until its own timeout; past ``_ABANDONED_GROUPS_MAX`` of
+        them and of groups given up, the worker fails (the agent restarts it)."""
+        import torch
+
+        from ._env import generation
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank())
+        params = _group_params()
+        done = threading.Event()
+        box = {}
+
+        def run():
+            try:
+                box["group"] = _form_group(timeout_s, params)
+            except BaseException as e:  # noqa: BLE001 (handed to the switching thread)
+                box["error"] = e
+            finally:
+                done.set()
+
+        t = threading.Thread(target=run, name=f"elastic_run-form-{params[2]}", daemon=True)
+        t.start()
+        while not done.wait(_POLL_S):
+            if self.offers.pending():
+                self.abandoned.append((t, None))
+                if len(self.abandoned) > _ABANDONED_GROUPS_MAX:
+                    raise SwitchError(f"elastic_run: {len(self.abandoned)} process groups were given up "
+                                      "while blocked; restart the worker")
+                raise _Superseded(f"generation {generation()} was superseded while its group formed")
+        if "error" in box:
+            raise box["error"]
+        return box["group"]
 
     def _take_offer(self):
         """Waits for the agent's offer (up to ``offer_wait_s``), says ``switched``, and takes

@@ -125,10 +125,11 @@ class SwitchRetry(tc.Env):
         ip = _inplace.InPlace.__new__(_inplace.InPlace)
         ip.group, ip.store, ip.works, ip.abandoned, ip.state = None, None, [], [], {}
         ip.timeout_s, ip.failed, ip.awaiting, ip.reported_for = 60.0, None, None, None
+        ip.offers = mock.Mock(pending=lambda: False)
         offers = iter([(5, 1), (6, 0)])
         formed, reported, agreed = [], [], []
 
-        def form(timeout_s):
+        def form(timeout_s, params=None):
             formed.append(os.environ.get("ELASTIC_GENERATION"))
             return "store", f"group-{len(formed)}"
 
@@ -163,6 +164,54 @@ class SwitchRetry(tc.Env):
                 mock.patch.object(ip, "_report_failure", lambda: None):
             with self.assertRaisesRegex(_inplace.SwitchError, "no switch completed"):
                 ip.switch(40)
+
+    def test_a_group_that_cannot_form_is_given_up_for_a_newer_generation(self):
+        """A member of generation 5 confirmed the regroup and died before it joined: forming
+        generation 5's group blocks until its timeout. The offer of generation 6 (the job
+        without it) ends the wait; the rank switches to 6 and nothing is reported."""
+        import threading
+        from unittest import mock
+
+        from elastic_run import _inplace
+
+        self.env(WORLD_SIZE=3, RANK=1)
+        ip = _inplace.InPlace.__new__(_inplace.InPlace)
+        ip.group, ip.store, ip.works, ip.abandoned, ip.state = None, None, [], [], {}
+        ip.timeout_s, ip.failed, ip.awaiting, ip.reported_for = 60.0, None, None, None
+        offered_at = time.monotonic() + 0.2
+        ip.offers = mock.Mock(pending=lambda: generation[0] == 5 and time.monotonic() >= offered_at)
+        offers = iter([(5, 1), (6, 0)])
+        generation, formed, reported = [None], [], []
+        never = threading.Event()
+
+        def form(timeout_s, params=None):
+            formed.append(params[2])
+            if params[2] == 5:  # rank 1 of generation 5 never comes
+                never.wait(timeout_s)
+                raise RuntimeError("timed out waiting for rank 1")
+            return "store", f"group-{params[2]}"
+
+        def take():
+            g, r = next(offers)
+            generation[0] = g
+            os.environ["ELASTIC_GENERATION"] = str(g)
+            return g, r
+
+        t = time.monotonic()
+        try:
+            with mock.patch.object(_inplace, "_form_group", form), \
+                    mock.patch.object(ip, "_take_offer", take), \
+                    mock.patch.object(ip, "_agree", lambda step, need=0: step), \
+                    mock.patch.object(ip, "_retire", lambda g, s: None), \
+                    mock.patch.object(ip, "_report_failure", lambda: reported.append(str(ip.failed))):
+                self.assertEqual(ip.switch(40), 40)
+        finally:
+            never.set()
+        self.assertLess(time.monotonic() - t, 10.0, "the rank did not wait out the form timeout")
+        self.assertEqual(formed, [5, 6])
+        self.assertEqual(ip.group, "group-6")
+        self.assertEqual(reported, [], "a generation superseded is not a failed collective")
+        self.assertEqual(len(ip.abandoned), 1, "the blocked form is counted against the bound")
 
 
 class SwitchCollectives(tc.Env):
