@@ -1,6 +1,7 @@
 //! `elastic-chaos run SCENARIO.toml [--seed N] [--out DIR] [--in-place]` and
 //! `elastic-chaos soak --minutes N [--out DIR]`. See the `chaos` crate docs.
 
+use std::future::Future;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -115,6 +116,49 @@ fn print_report(r: &chaos::report::Report, out: &std::path::Path) {
     );
 }
 
+/// Exit status after SIGINT or SIGTERM: 128 + SIGINT, as a shell reports an interrupted command.
+const EXIT_INTERRUPTED: u8 = 130;
+
+/// SIGINT and SIGTERM, listened to for the whole life of the harness so that a signal that comes
+/// between two soak runs is not missed.
+struct Stop {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl Stop {
+    fn listen(rt: &tokio::runtime::Runtime) -> std::io::Result<Stop> {
+        use tokio::signal::unix::{SignalKind, signal};
+        let _in_rt = rt.enter();
+        Ok(Stop {
+            interrupt: signal(SignalKind::interrupt())?,
+            terminate: signal(SignalKind::terminate())?,
+        })
+    }
+
+    /// Runs `run` to its end, or until SIGINT or SIGTERM: then `run` is dropped, and with it
+    /// the run's agents (killed and reaped; their workers die with them), services, namespaces
+    /// and mounts, and the signal's name is returned.
+    fn run_until_signal<F: Future>(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        run: F,
+    ) -> Result<F::Output, &'static str> {
+        rt.block_on(async {
+            tokio::select! {
+                out = run => Ok(out),
+                _ = self.interrupt.recv() => Err("SIGINT"),
+                _ = self.terminate.recv() => Err("SIGTERM"),
+            }
+        })
+    }
+}
+
+fn interrupted(signal: &str) -> ExitCode {
+    eprintln!("elastic-chaos: interrupted by {signal}; the run's processes are stopped");
+    ExitCode::from(EXIT_INTERRUPTED)
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -128,6 +172,13 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("elastic-chaos: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let mut stop = match Stop::listen(&rt) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("elastic-chaos: listening for SIGINT and SIGTERM: {e}");
             return ExitCode::from(1);
         }
     };
@@ -177,7 +228,11 @@ fn main() -> ExitCode {
                 s.name
             );
             let out = out.join(&s.name);
-            match rt.block_on(harness::run(&s, seed, &tools, &out)) {
+            let run = match stop.run_until_signal(&rt, harness::run(&s, seed, &tools, &out)) {
+                Ok(run) => run,
+                Err(signal) => return interrupted(signal),
+            };
+            match run {
                 Ok(r) => {
                     if json {
                         println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
@@ -244,7 +299,17 @@ fn main() -> ExitCode {
                     if in_place { ", in place" } else { "" }
                 );
                 let dir = out.join(format!("run-{n}-{seed}"));
-                match rt.block_on(harness::run(&s, seed, &tools, &dir)) {
+                let run = match stop.run_until_signal(&rt, harness::run(&s, seed, &tools, &dir)) {
+                    Ok(run) => run,
+                    Err(signal) => {
+                        println!(
+                            "soak: {n} runs, stopped during run {n}; logs kept in {}",
+                            dir.display()
+                        );
+                        return interrupted(signal);
+                    }
+                };
+                match run {
                     Ok(r) if r.passed => {
                         let _ = std::fs::remove_dir_all(&dir);
                     }
