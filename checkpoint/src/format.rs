@@ -30,14 +30,18 @@
 //!
 //! # Manifest schema v1 (`manifest.json`, JSON)
 //!
-//! - `format_version`: `1`. Readers reject any other value before reading further.
+//! - `format_version`: `2` (this build reads `1` and `2`; a manifest of version 1 has no
+//!   `block_crc32c`). Readers reject any other value before reading further.
 //! - `step`, `created_unix_ms`, `world_size`, `metadata` (any JSON the trainer adds).
 //! - `parts`: the `{writer, attempt}` pairs committed.
 //! - `objects[]`: `key`, `stored_bytes`, `stored_crc32c` (of the bytes in the store),
 //!   `codec` (`{"name":"raw"}`, `{"name":"zstd"}` or
 //!   `{"name":"zstd-planes","width":w,"planes":[{"zstd":bool,"stored_bytes":n}..]}`),
 //!   `raw_bytes`, `raw_crc32c` (of the decoded bytes). A `zstd-planes` object is the `w`
-//!   planes of the aligned prefix, one after another, then the unaligned tail raw.
+//!   planes of the aligned prefix, one after another, then the unaligned tail raw. A raw
+//!   object also has `block_crc32c` (format 2): the crc32c of each [`CHECK_BLOCK_BYTES`] of
+//!   it, so a reader that needs part of it reads and checks only the blocks that hold that
+//!   part.
 //! - `files[]`: `name` (relative path as pushed), `header` (the exact safetensors header
 //!   text, padding included, so a pulled file is byte-identical), `data_bytes`, and
 //!   `segments[]` of `{object, offset, len}`: the file's data region is these ranges of the
@@ -99,8 +103,15 @@ use serde_json::Value;
 use crate::codec::Codec;
 use crate::header::{self, HEADER_BYTES_MAX};
 
-/// The manifest format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The manifest format version this build writes. Version 2 added `block_crc32c` to raw
+/// objects.
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest manifest format version this build reads (every one up to [`FORMAT_VERSION`]).
+pub const FORMAT_VERSION_OLDEST_READ: u32 = 1;
+/// The bytes each checksum of a raw object's `block_crc32c` covers (the last block may be
+/// shorter): the unit a ranged read fetches and checks, so a restore that needs part of a
+/// chunk reads at most one block more than it needs at each end of each range.
+pub const CHECK_BLOCK_BYTES: u64 = 1024 * 1024;
 /// The largest manifest or part record this crate reads.
 pub const MANIFEST_BYTES_MAX: u64 = 256 * 1024 * 1024;
 /// The largest decoded chunk a reader accepts (bounds restore memory per chunk).
@@ -111,6 +122,53 @@ pub const NAME_BYTES_MAX: usize = 1024;
 /// and Python's through a float) holds exactly, so a step survives manifests, etcd records
 /// and worker messages unchanged, and `step + 1` never overflows.
 pub const STEP_MAX: u64 = (1 << 53) - 1;
+
+/// The `block_crc32c` of bytes handed over in order, in pieces of any size, and the crc32c of
+/// all of them, in one pass.
+#[derive(Debug, Default, Clone)]
+pub struct BlockCrcs {
+    crcs: Vec<u32>,
+    /// The crc32c of the finished blocks.
+    whole: u32,
+    crc: u32,
+    /// Bytes of the current, unfinished block.
+    filled: u64,
+}
+
+impl BlockCrcs {
+    pub fn push(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            let take = (CHECK_BLOCK_BYTES - self.filled).min(bytes.len() as u64) as usize;
+            self.crc = crc32c::crc32c_append(self.crc, &bytes[..take]);
+            self.filled += take as u64;
+            bytes = &bytes[take..];
+            if self.filled == CHECK_BLOCK_BYTES {
+                self.end_block();
+            }
+        }
+    }
+
+    fn end_block(&mut self) {
+        self.whole = crc32c::crc32c_combine(self.whole, self.crc, self.filled as usize);
+        self.crcs.push(self.crc);
+        (self.crc, self.filled) = (0, 0);
+    }
+
+    /// `(crc32c of all the bytes, block_crc32c)`.
+    pub fn finish(mut self) -> (u32, Vec<u32>) {
+        if self.filled > 0 {
+            self.end_block();
+        }
+        (self.whole, self.crcs)
+    }
+
+    /// The `block_crc32c` of `bytes`.
+    pub fn of(bytes: &[u8]) -> Vec<u32> {
+        let mut b = BlockCrcs::default();
+        b.push(bytes);
+        b.finish().1
+    }
+}
 
 /// Checks a step number against [`STEP_MAX`].
 pub fn validate_step(step: u64) -> Result<(), String> {
@@ -214,6 +272,11 @@ pub struct ObjectEntry {
     pub codec: Codec,
     pub raw_bytes: u64,
     pub raw_crc32c: u32,
+    /// Raw objects only (format 2): the crc32c of each [`CHECK_BLOCK_BYTES`] of the object in
+    /// order, so that part of it can be read and checked without reading all of it. Empty for
+    /// compressed objects and in format 1.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub block_crc32c: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -312,7 +375,11 @@ fn probe_version(bytes: &[u8]) -> Result<(), ParseError> {
     let probe: VersionProbe = serde_json::from_slice(bytes)
         .map_err(|e| ParseError::Invalid(format!("not a manifest: {e}")))?;
     match probe.format_version.as_u64() {
-        Some(v) if v == u64::from(FORMAT_VERSION) => Ok(()),
+        Some(v)
+            if (u64::from(FORMAT_VERSION_OLDEST_READ)..=u64::from(FORMAT_VERSION)).contains(&v) =>
+        {
+            Ok(())
+        }
         Some(v) => Err(ParseError::UnsupportedVersion(v)),
         None => Err(ParseError::Invalid(
             "format_version is not an unsigned integer".into(),
@@ -422,6 +489,23 @@ pub fn validate_content(
                 "object {}: raw codec with different raw and stored checksums",
                 o.key
             ));
+        }
+        if !o.block_crc32c.is_empty() {
+            if o.codec != Codec::Raw {
+                return Err(format!(
+                    "object {}: block checksums on a compressed object",
+                    o.key
+                ));
+            }
+            let want = o.raw_bytes.div_ceil(CHECK_BLOCK_BYTES);
+            if o.block_crc32c.len() as u64 != want {
+                return Err(format!(
+                    "object {}: {} block checksums for {} bytes (want {want})",
+                    o.key,
+                    o.block_crc32c.len(),
+                    o.raw_bytes
+                ));
+            }
         }
     }
 
@@ -614,6 +698,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn block_crcs_do_not_depend_on_how_the_bytes_are_cut() {
+        let block = CHECK_BLOCK_BYTES as usize;
+        let data: Vec<u8> = (0..2 * block + 3).map(|i| (i * 7 % 251) as u8).collect();
+        let whole = BlockCrcs::of(&data);
+        assert_eq!(
+            whole,
+            vec![
+                crc32c::crc32c(&data[..block]),
+                crc32c::crc32c(&data[block..2 * block]),
+                crc32c::crc32c(&data[2 * block..]),
+            ]
+        );
+        let mut cut = BlockCrcs::default();
+        for piece in data.chunks(block / 3 + 1) {
+            cut.push(piece);
+        }
+        assert_eq!(cut.finish(), (crc32c::crc32c(&data), whole));
+        assert_eq!(BlockCrcs::of(&data[..block]).len(), 1);
+        assert!(BlockCrcs::of(&[]).is_empty());
+    }
+
+    #[test]
     fn path_traversing_and_absolute_names_are_rejected() {
         for bad in [
             "../x",
@@ -650,8 +756,8 @@ mod tests {
 
     #[test]
     fn unknown_version_is_rejected_before_the_schema() {
-        let e = Manifest::parse(br#"{"format_version": 2, "whatever": 1}"#, 1).unwrap_err();
-        assert_eq!(e, ParseError::UnsupportedVersion(2));
+        let e = Manifest::parse(br#"{"format_version": 3, "whatever": 1}"#, 1).unwrap_err();
+        assert_eq!(e, ParseError::UnsupportedVersion(3));
         for garbled in [
             &b"{"[..],
             b"null",

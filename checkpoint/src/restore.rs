@@ -9,9 +9,11 @@
 //!
 //! Reads are per chunk: a rank fetches only the chunks that hold bytes it needs, several at a time
 //! (`concurrency`). A chunk on a remote store comes as one GET whose body is decoded as it arrives
-//! (a body that breaks off is resumed from where it stopped); ranged requests per chunk would only
-//! add requests, since chunks run in parallel anyway, and some stores read the whole object for
-//! each range. No decoded chunk is assembled in memory: its bytes go into the output a block of
+//! (a body that breaks off is resumed from where it stopped). A raw chunk of which a rank needs
+//! only part (a slice of row-sharded state re-cut for another world size) is read only in the
+//! 1 MiB blocks that hold that part (`ranged`: one ranged GET per run of blocks, or `pread`s),
+//! each checked against its own checksum (`block_crc32c`, format 2); a compressed chunk, or one
+//! written by format 1, is read whole. No decoded chunk is assembled in memory: its bytes go into the output a block of
 //! 256 KiB at a time, each block checksummed on the way while still in cache, and every chunk's
 //! length and stored and decoded checksums are checked before the output that holds its bytes is
 //! renamed into place. A raw chunk on a local directory streams from its file, so it is read once,
@@ -22,6 +24,7 @@
 //! 16 pieces` for other remote chunks, and `concurrency × 256 KiB` for raw chunks on a local
 //! directory; a compressed chunk on a local directory is read whole first.
 
+mod ranged;
 mod read;
 mod steps;
 mod write;

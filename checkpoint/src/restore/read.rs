@@ -12,13 +12,42 @@ use tokio_util::sync::CancellationToken;
 use super::ReadOptions;
 use crate::codec::{BlocksError, ChunkDecoder};
 use crate::error::{Error, Result};
-use crate::format::{Manifest, ObjectEntry};
+use crate::format::{self, Manifest, ObjectEntry};
 use crate::local::STREAM_BLOCK_BYTES;
 use crate::store::Store;
 
 /// Pieces of a chunk (as the store's client hands them over, a few hundred KiB at most) that
 /// wait for its decoder, per chunk.
 const PIECES_IN_FLIGHT: usize = 16;
+
+/// Checks the block checksums computed over the whole of object `o` against its manifest's
+/// (none to check in format 1).
+pub(super) fn check_block_crcs(
+    store: &Store,
+    step: u64,
+    o: &ObjectEntry,
+    got: &[u32],
+) -> Result<()> {
+    if o.block_crc32c.is_empty() || got == o.block_crc32c.as_slice() {
+        return Ok(());
+    }
+    let block = got
+        .iter()
+        .zip(&o.block_crc32c)
+        .position(|(a, b)| a != b)
+        .unwrap_or(got.len().min(o.block_crc32c.len()));
+    Err(store.corrupt(
+        step,
+        &o.key,
+        format!(
+            "block {block}: crc32c {}, manifest says {}",
+            got.get(block).map_or("none".into(), |c| format!("{c:08x}")),
+            o.block_crc32c
+                .get(block)
+                .map_or("none".into(), |c| format!("{c:08x}"))
+        ),
+    ))
+}
 
 /// The result of reading every object of a step.
 #[derive(Debug, Clone, Serialize)]
@@ -108,10 +137,23 @@ impl Store {
                 BlocksError::Codec(reason) => store.corrupt(step, &o.key, reason),
                 BlocksError::Sink(e) => e,
             };
+            // A raw object's block checksums are checked too, so that an object that reads
+            // whole also reads in part.
+            let mut blocks = format::BlockCrcs::default();
+            let check_blocks = !o.block_crc32c.is_empty();
+            let mut sink = |at: u64, b: &[u8]| {
+                if check_blocks {
+                    blocks.push(b);
+                }
+                sink(at, b)
+            };
             while let Some(piece) = rx.blocking_recv() {
                 d.push(piece, &mut sink).map_err(corrupt)?;
             }
             let (stored, raw) = d.finish(&mut sink).map_err(corrupt)?;
+            if check_blocks {
+                check_block_crcs(&store, step, &o, &blocks.finish().1)?;
+            }
             if stored != o.stored_crc32c {
                 return Err(store.crc_mismatch(step, &o, "crc32c", stored, o.stored_crc32c));
             }

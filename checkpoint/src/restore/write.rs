@@ -144,7 +144,20 @@ impl Store {
                 async move {
                     let n: u64 = ops.iter().map(|op| op.len).sum();
                     let o = &m.objects[object as usize];
-                    if o.codec == Codec::Raw && self.has_local_root() {
+                    if let Some(runs) = super::ranged::needed_blocks(o, &ops) {
+                        // Part of a raw chunk: only the blocks that hold it, each checked.
+                        let stop = abort.clone();
+                        let (key, url) = (o.key.clone(), self.url().to_string());
+                        self.read_blocks(m, object as usize, runs, abort, move |at, b| {
+                            if stop.is_cancelled() {
+                                return Err(Error::Cancelled {
+                                    op: format!("get {key} on {url}"),
+                                });
+                            }
+                            write_block(&ops, &files, at, b)
+                        })
+                        .await?;
+                    } else if o.codec == Codec::Raw && self.has_local_root() {
                         let (store, o, abort) = (self.clone(), o.clone(), abort.clone());
                         let step = m.step;
                         tokio::task::spawn_blocking(move || {
@@ -232,7 +245,7 @@ impl Store {
 
     /// Opens the file of raw object `o` of a `file://` store (a regular file only: never
     /// through a symlink, never a FIFO) and checks its length against the manifest.
-    fn open_local_raw(&self, step: u64, o: &ObjectEntry) -> Result<std::fs::File> {
+    pub(super) fn open_local_raw(&self, step: u64, o: &ObjectEntry) -> Result<std::fs::File> {
         let path = self.local_file(&o.key).ok_or_else(|| {
             Error::InvalidInput(format!("{} is not a local directory", self.url()))
         })?;
@@ -270,7 +283,8 @@ impl Store {
             .unwrap_or(usize::MAX)
             .clamp(1, STREAM_BLOCK_BYTES);
         let mut buf = vec![0u8; block_bytes];
-        let mut crc = 0u32;
+        // The whole object's checksum and its block checksums, in one pass.
+        let mut crcs = crate::format::BlockCrcs::default();
         let mut pos = 0u64;
         while pos < o.stored_bytes {
             if cancel.is_cancelled() {
@@ -287,10 +301,11 @@ impl Store {
                     self.local_error("get", &o.key, e)
                 }
             })?;
-            crc = crc32c::crc32c_append(crc, block);
+            crcs.push(block);
             write_block(ops, files, pos, block)?;
             pos += n;
         }
+        let (crc, blocks) = crcs.finish();
         if crc != o.stored_crc32c {
             return Err(self.corrupt(
                 step,
@@ -298,7 +313,7 @@ impl Store {
                 format!("crc32c {crc:08x}, manifest says {:08x}", o.stored_crc32c),
             ));
         }
-        Ok(())
+        super::read::check_block_crcs(self, step, o, &blocks)
     }
 }
 

@@ -31,17 +31,18 @@ impl Store {
         })?;
         let out =
             crate::local::DurableFile::create_in(&root, &rel, crate::local::RootLink::Follow)?;
-        let mut crc = 0u32;
+        let mut blocks = format::BlockCrcs::default();
         src.read_blocks(
             offset,
             len,
             crate::local::STREAM_BLOCK_BYTES,
             |at, block| {
-                crc = crc32c::crc32c_append(crc, block);
+                blocks.push(block);
                 out.write_at(block, at)
             },
         )?;
         out.commit()?;
+        let (crc, block_crc32c) = blocks.finish();
         Ok(ObjectEntry {
             key,
             stored_bytes: len,
@@ -49,6 +50,7 @@ impl Store {
             codec: codec::Codec::Raw,
             raw_bytes: len,
             raw_crc32c: crc,
+            block_crc32c,
         })
     }
 
@@ -160,10 +162,10 @@ impl Store {
                             } else {
                                 (raw, codec::Codec::Raw)
                             };
-                            let stored_crc32c = if codec == codec::Codec::Raw {
-                                raw_crc32c
+                            let (stored_crc32c, block_crc32c) = if codec == codec::Codec::Raw {
+                                (raw_crc32c, format::BlockCrcs::of(&stored))
                             } else {
-                                crc32c::crc32c(&stored)
+                                (crc32c::crc32c(&stored), Vec::new())
                             };
                             let entry = ObjectEntry {
                                 key,
@@ -172,6 +174,7 @@ impl Store {
                                 codec,
                                 raw_bytes,
                                 raw_crc32c,
+                                block_crc32c,
                             };
                             Ok::<_, Error>((Bytes::from(stored), entry))
                         })

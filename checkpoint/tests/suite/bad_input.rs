@@ -192,7 +192,7 @@ async fn forged(edit: impl FnOnce(&mut Value), want: &str) {
 
 #[tokio::test]
 async fn unknown_format_version_is_rejected() {
-    forged(|m| m["format_version"] = 2.into(), "format version 2").await;
+    forged(|m| m["format_version"] = 3.into(), "format version 3").await;
 }
 
 #[tokio::test]
@@ -446,4 +446,13 @@ async fn restore_rejects_a_rank_outside_the_world() {
             .unwrap_err();
         assert!(err.to_string().contains("is not in a world"), "{err}");
     }
+}
+
+#[tokio::test]
+async fn forged_block_checksums_are_rejected() {
+    forged(
+        |m| m["objects"][0]["block_crc32c"] = serde_json::json!([1, 2, 3, 4, 5, 6, 7, 8, 9]),
+        "block checksums",
+    )
+    .await;
 }

@@ -458,3 +458,122 @@ async fn a_remote_chunk_is_one_get_resumed_where_it_broke_off_and_truncation_is_
     assert_eq!(report.bad[0].0, part.objects[0].key);
     assert!(report.bad[0].1.contains("truncated"), "{}", report.bad[0].1);
 }
+
+/// A rank that needs part of a raw chunk (row-sharded state re-cut for another world size)
+/// reads only the 1 MiB blocks that hold it, as one ranged GET per run of blocks. A body that
+/// breaks off is resumed from the first block not yet checked, never before it; what lands is
+/// bitwise the rows the rank needs; and a flipped bit in a block the rank reads fails the step
+/// with the block named.
+#[tokio::test]
+async fn a_partly_needed_chunk_is_read_in_checked_blocks_resumed_at_a_block() {
+    use checkpoint::format::CHECK_BLOCK_BYTES;
+    use checkpoint::restore::{RESTORE_FILE, rows_for_rank};
+
+    let counting = Arc::new(Unreliable::with_probability(0, 0.0));
+    let store = Store::from_object_store(counting.clone(), "ck", "counting://ck");
+    // 2 writers x 12 MB of F32 in raw chunks of 6 MiB.
+    let w = common::tensor("w", "F32", &[3000, 1000], 1);
+    let emb = common::tensor("emb", "F32", &[1500, 2000], 2);
+    let opts = checkpoint::SaveOptions {
+        chunk_bytes_max: 6 * 1024 * 1024,
+        compress: false,
+        ..Default::default()
+    };
+    common::save_rows(&store, 1, 2, &[w.clone(), emb.clone()], &[], &opts).await;
+    let m = store.read_manifest(1, &cancel()).await.unwrap();
+    assert!(m.objects.iter().all(|o| !o.block_crc32c.is_empty()));
+    // One chunk at a time, so the order of the ranged GETs is the same in every restore.
+    let one_at_a_time = ReadOptions {
+        concurrency: 1,
+        ..Default::default()
+    };
+    let one_at_a_time = &one_at_a_time;
+    let restore = |rank: u32| {
+        let store = store.clone();
+        async move {
+            let dir = tempfile::tempdir().unwrap();
+            let r = store
+                .restore(Some(1), rank, 3, dir.path(), one_at_a_time, &cancel())
+                .await;
+            r.map(|_| std::fs::read(dir.path().join(RESTORE_FILE)).unwrap())
+        }
+    };
+    let check = |rank: u32, got: &[u8]| {
+        let st = safetensors::SafeTensors::deserialize(got).unwrap();
+        for t in [&w, &emb] {
+            let (lo, hi) = rows_for_rank(t.shape[0] as u64, rank, 3);
+            assert_eq!(
+                st.tensor(&t.name).unwrap().data(),
+                &common::rows(t, lo as usize, hi as usize)[..],
+                "{} rows [{lo}, {hi}) of rank {rank} of 3",
+                t.name
+            );
+        }
+    };
+    let needed = (w.data.len() + emb.data.len()) as u64 / 3;
+    for rank in 0..3 {
+        let before = store.read_stats().bytes;
+        let got = restore(rank).await.unwrap();
+        check(rank, &got);
+        let read = store.read_stats().bytes - before;
+        // Each tensor's rows lie in at most two writers' files: at most one block more at
+        // each end of each of those ranges, and the manifest.
+        assert!(
+            read <= needed + 8 * CHECK_BLOCK_BYTES + 64 * 1024,
+            "rank {rank} read {read} bytes for {needed} needed"
+        );
+    }
+
+    // Rank 1 needs writer 0's rows from 1000 of `w` and on: its first ranged GET of that
+    // chunk breaks off 1.5 MiB in, and the read resumes from the end of the first block,
+    // which was checked and written: one GET more than without the cut, starting a block
+    // after the one cut.
+    let first = m
+        .objects
+        .iter()
+        .find(|o| o.key.contains("/rank-0-"))
+        .unwrap();
+    let key = Path::from(format!("ck/{}", first.key));
+    counting.range_starts.lock().unwrap().clear();
+    check(1, &restore(1).await.unwrap());
+    let clean = std::mem::take(&mut *counting.range_starts.lock().unwrap());
+    *counting.cut_next_get.lock().unwrap() = Some((key.clone(), 3 * CHECK_BLOCK_BYTES / 2));
+    check(1, &restore(1).await.unwrap());
+    let cut = counting.range_starts.lock().unwrap().clone();
+    assert!(
+        clean.iter().all(|s| s % CHECK_BLOCK_BYTES == 0),
+        "ranged GETs start at blocks: {clean:?}"
+    );
+    let i = (0..clean.len())
+        .find(|&i| clean[i] != cut[i])
+        .unwrap_or(clean.len());
+    assert!(
+        i > 0
+            && cut.len() == clean.len() + 1
+            && cut[i] == cut[i - 1] + CHECK_BLOCK_BYTES
+            && cut[i + 1..] == clean[i..],
+        "one GET resumed a block after the cut one's start: {clean:?} then {cut:?}"
+    );
+
+    // A flipped bit in a block rank 1 reads.
+    use object_store::ObjectStoreExt;
+    let mut stored = counting
+        .inner
+        .get(&key)
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap()
+        .to_vec();
+    let at = stored.len() - 10;
+    stored[at] ^= 0x10;
+    counting.inner.put(&key, stored.into()).await.unwrap();
+    let err = restore(1).await.unwrap_err();
+    assert!(err.is_integrity(), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(&first.key) && text.contains("block") && text.contains("crc32c"),
+        "{text}"
+    );
+}

@@ -279,3 +279,69 @@ async fn a_local_save_streams_into_private_directories_and_never_through_a_symli
     assert!(err.to_string().contains("symlink"), "{err}");
     assert_eq!(std::fs::read_dir(elsewhere.path()).unwrap().count(), 0);
 }
+
+/// Row-sharded state re-cut from 2 ranks to 3 on a local directory: each rank reads the 1 MiB
+/// blocks that hold its rows, not whole chunks. A step written by format 1 (no block
+/// checksums) still restores, bitwise, reading its chunks whole.
+#[tokio::test]
+async fn resharding_reads_the_blocks_of_the_rows_and_format_1_reads_whole_chunks() {
+    use checkpoint::format::CHECK_BLOCK_BYTES;
+
+    let root = tempfile::tempdir().unwrap();
+    let store = Store::open(&format!("file://{}", root.path().display())).unwrap();
+    let w = tensor("w", "F32", &[3000, 1000], 1);
+    let emb = tensor("emb", "BF16", &[1500, 4000], 2);
+    let opts = SaveOptions {
+        chunk_bytes_max: 8 * 1024 * 1024,
+        compress: false,
+        concurrency: 2,
+        ..Default::default()
+    };
+    let sharded = &[w, emb];
+    common::save_rows(&store, 3, 2, sharded, &[], &opts).await;
+    let stored: u64 = sharded.iter().map(|t| t.data.len() as u64).sum();
+    let needed = stored / 3;
+    let restore_all = |store: Store| async move {
+        let mut read = Vec::new();
+        for rank in 0..3 {
+            let before = store.read_stats().bytes;
+            let (_, got) = restore(&store, Some(3), rank, 3).await;
+            read.push(store.read_stats().bytes - before);
+            let st = SafeTensors::deserialize(&got).unwrap();
+            for t in sharded {
+                let (lo, hi) = rows_for_rank(t.shape[0] as u64, rank, 3);
+                assert_eq!(
+                    st.tensor(&t.name).unwrap().data(),
+                    &rows(t, lo as usize, hi as usize)[..],
+                    "{} rows [{lo}, {hi}) on rank {rank} of 3",
+                    t.name
+                );
+            }
+        }
+        read
+    };
+    for (rank, read) in restore_all(store.clone()).await.into_iter().enumerate() {
+        assert!(
+            read >= needed && read <= needed + 8 * CHECK_BLOCK_BYTES,
+            "rank {rank} read {read} bytes for {needed} needed"
+        );
+    }
+
+    let manifest = root.path().join("steps/00000000000000000003/manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
+    assert_eq!(m["format_version"], 2);
+    m["format_version"] = 1.into();
+    for o in m["objects"].as_array_mut().unwrap() {
+        o.as_object_mut().unwrap().remove("block_crc32c").unwrap();
+    }
+    std::fs::write(&manifest, serde_json::to_vec(&m).unwrap()).unwrap();
+    let whole =
+        restore_all(Store::open(&format!("file://{}", root.path().display())).unwrap()).await;
+    // Whole chunks: a chunk that holds rows of two new ranks is read by both.
+    let whole: u64 = whole.iter().sum();
+    assert!(
+        whole >= stored * 3 / 2,
+        "{whole} bytes read for {stored} stored"
+    );
+}
