@@ -111,7 +111,7 @@ pub const FORMAT_VERSION_OLDEST_READ: u32 = 1;
 /// The bytes each checksum of a raw object's `block_crc32c` covers (the last block may be
 /// shorter): the unit a ranged read fetches and checks, so a restore that needs part of a
 /// chunk reads at most one block more than it needs at each end of each range.
-pub const CHECK_BLOCK_BYTES: u64 = 1024 * 1024;
+pub const CHECK_BLOCK_BYTES: u64 = 256 * 1024;
 /// The largest manifest or part record this crate reads.
 pub const MANIFEST_BYTES_MAX: u64 = 256 * 1024 * 1024;
 /// The largest decoded chunk a reader accepts (bounds restore memory per chunk).

@@ -11,7 +11,7 @@
 //! (`concurrency`). A chunk on a remote store comes as one GET whose body is decoded as it arrives
 //! (a body that breaks off is resumed from where it stopped). A raw chunk of which a rank needs
 //! only part (a slice of row-sharded state re-cut for another world size) is read only in the
-//! 1 MiB blocks that hold that part (`ranged`: one ranged GET per run of blocks, or `pread`s),
+//! 256 KiB blocks that hold that part (`ranged`: one ranged GET per run of blocks, or `pread`s),
 //! each checked against its own checksum (`block_crc32c`, format 2); a compressed chunk, or one
 //! written by format 1, is read whole. No decoded chunk is assembled in memory: its bytes go into the output a block of
 //! 256 KiB at a time, each block checksummed on the way while still in cache, and every chunk's

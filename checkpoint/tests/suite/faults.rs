@@ -460,7 +460,7 @@ async fn a_remote_chunk_is_one_get_resumed_where_it_broke_off_and_truncation_is_
 }
 
 /// A rank that needs part of a raw chunk (row-sharded state re-cut for another world size)
-/// reads only the 1 MiB blocks that hold it, as one ranged GET per run of blocks. A body that
+/// reads only the 256 KiB blocks that hold it, as one ranged GET per run of blocks. A body that
 /// breaks off is resumed from the first block not yet checked, never before it; what lands is
 /// bitwise the rows the rank needs; and a flipped bit in a block the rank reads fails the step
 /// with the block named.
@@ -525,7 +525,7 @@ async fn a_partly_needed_chunk_is_read_in_checked_blocks_resumed_at_a_block() {
     }
 
     // Rank 1 needs writer 0's rows from 1000 of `w` and on: its first ranged GET of that
-    // chunk breaks off 1.5 MiB in, and the read resumes from the end of the first block,
+    // chunk breaks off a block and a half in, and the read resumes from the end of the first block,
     // which was checked and written: one GET more than without the cut, starting a block
     // after the one cut.
     let first = m

@@ -280,7 +280,7 @@ async fn a_local_save_streams_into_private_directories_and_never_through_a_symli
     assert_eq!(std::fs::read_dir(elsewhere.path()).unwrap().count(), 0);
 }
 
-/// Row-sharded state re-cut from 2 ranks to 3 on a local directory: each rank reads the 1 MiB
+/// Row-sharded state re-cut from 2 ranks to 3 on a local directory: each rank reads the 256 KiB
 /// blocks that hold its rows, not whole chunks. A step written by format 1 (no block
 /// checksums) still restores, bitwise, reading its chunks whole.
 #[tokio::test]

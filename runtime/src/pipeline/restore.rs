@@ -57,7 +57,7 @@ impl StoreSink {
     ///
     /// Every node of a generation falls back alike for a replicated (DDP) step, since each
     /// node reads all of its bytes. A sharded step read only in part by each node (its rows'
-    /// 1 MiB blocks of raw chunks, or the compressed chunks that hold them) could in principle
+    /// 256 KiB blocks of raw chunks, or the compressed chunks that hold them) could in principle
     /// send nodes to different steps when the corruption lies in one node's rows.
     pub async fn restore_or_older(
         &self,
