@@ -179,14 +179,7 @@ impl Store {
                 if_match: e_tag.lock().unwrap_or_else(|e| e.into_inner()).clone(),
                 ..Default::default()
             };
-            let r = self
-                .inner
-                .get_opts(path, opts)
-                .await
-                .map_err(|e| self.err("get", &o.key, e))?;
-            if r.meta.size != o.stored_bytes {
-                return Err(self.truncated(step, o, r.meta.size));
-            }
+            let r = self.get_object(step, o, path, opts).await?;
             {
                 let mut pinned = e_tag.lock().unwrap_or_else(|e| e.into_inner());
                 if pinned.is_none() {

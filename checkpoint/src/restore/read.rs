@@ -109,6 +109,26 @@ impl Store {
         )
     }
 
+    /// A GET of object `o` at `path` with `opts`, whose object must be as long as the
+    /// manifest says.
+    pub(super) async fn get_object(
+        &self,
+        step: u64,
+        o: &ObjectEntry,
+        path: &object_store::path::Path,
+        opts: GetOptions,
+    ) -> Result<object_store::GetResult> {
+        let r = self
+            .inner
+            .get_opts(path, opts)
+            .await
+            .map_err(|e| self.err("get", &o.key, e))?;
+        if r.meta.size != o.stored_bytes {
+            return Err(self.truncated(step, o, r.meta.size));
+        }
+        Ok(r)
+    }
+
     /// Reads object `idx` and hands its decoded bytes to `sink(offset, bytes)` in order, in
     /// blocks of at most [`STREAM_BLOCK_BYTES`], decoding while the stored bytes arrive
     /// ([`ChunkDecoder`], on a blocking thread). Both checksums and the length are checked at
@@ -211,15 +231,8 @@ impl Store {
                 },
                 ..Default::default()
             };
-            let r = self
-                .inner
-                .get_opts(path, opts)
-                .await
-                .map_err(|e| self.err("get", &o.key, e))?;
+            let r = self.get_object(m.step, o, path, opts).await?;
             if from == 0 {
-                if r.meta.size != o.stored_bytes {
-                    return Err(self.truncated(m.step, o, r.meta.size));
-                }
                 *e_tag.lock().unwrap_or_else(|e| e.into_inner()) = r.meta.e_tag.clone();
             }
             let mut pieces = r.into_stream();

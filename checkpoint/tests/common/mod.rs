@@ -454,6 +454,50 @@ pub fn incompressible_file(len: usize, seed: u64) -> Vec<(String, Bytes)> {
     )]
 }
 
+/// Row-sharded state in raw chunks of 1 MiB, re-cut from 2 ranks to 3: each rank reads only
+/// the checked blocks of the chunks that hold its rows (ranged GETs pinned to the version
+/// first read, on a remote store), and gets its rows bitwise.
+pub async fn restore_reads_only_the_blocks_of_its_rows(store: &Store) {
+    use checkpoint::format::CHECK_BLOCK_BYTES;
+
+    let w = tensor("w", "F32", &[600, 1000], 21);
+    let opts = SaveOptions {
+        chunk_bytes_max: 1024 * 1024,
+        compress: false,
+        ..Default::default()
+    };
+    save_rows(store, 30, 2, std::slice::from_ref(&w), &[], &opts).await;
+    for rank in 0..3 {
+        let before = store.read_stats().bytes;
+        let dir = tempfile::tempdir().unwrap();
+        store
+            .restore(
+                Some(30),
+                rank,
+                3,
+                dir.path(),
+                &ReadOptions::default(),
+                &cancel(),
+            )
+            .await
+            .unwrap();
+        let read = store.read_stats().bytes - before;
+        let bytes = std::fs::read(dir.path().join(RESTORE_FILE)).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let (lo, hi) = rows_for_rank(600, rank, 3);
+        assert_eq!(
+            st.tensor("w").unwrap().data(),
+            &rows(&w, lo as usize, hi as usize)[..],
+            "rows [{lo}, {hi}) of rank {rank} of 3"
+        );
+        let needed = (hi - lo) * 4000;
+        assert!(
+            read <= needed + 4 * CHECK_BLOCK_BYTES + 64 * 1024,
+            "rank {rank} read {read} bytes for {needed} needed"
+        );
+    }
+}
+
 pub async fn large_chunks_use_multipart_and_ranged_reads(store: &Store) {
     // The stored object stays over the 8 MiB ranged-read size.
     let files = incompressible_file(9 * 1024 * 1024 + 3, 99);
@@ -637,6 +681,7 @@ pub async fn export_writes_a_sharded_tensor_whole_in_hugging_face_shards(store: 
 pub async fn run_suite(make: impl Fn(&str) -> Store, other: impl Fn(&str) -> Store) {
     pull_is_byte_identical_to_push(&make("pull")).await;
     restore_reshards_from_4_to_2_3_and_8(&make("reshard")).await;
+    restore_reads_only_the_blocks_of_its_rows(&make("reshard-blocks")).await;
     of_two_concurrent_committers_exactly_one_wins(&make("race")).await;
     commit_refuses_while_a_writer_is_missing(&make("missing")).await;
     retention_keeps_last_k_and_every_nth_and_removes_leftovers(&make("gc")).await;

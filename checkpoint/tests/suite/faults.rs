@@ -360,6 +360,15 @@ async fn a_rank_reads_only_the_chunks_that_hold_its_bytes() {
     assert_eq!(reads as usize, needed + 2, "of {} objects", m.objects.len());
 }
 
+/// Rewrites the object `key` of `counting`'s inner store with `edit`.
+async fn edit_stored(counting: &Unreliable, key: &Path, edit: impl FnOnce(&mut Vec<u8>)) {
+    use object_store::ObjectStoreExt;
+    let got = counting.inner.get(key).await.unwrap();
+    let mut stored = got.bytes().await.unwrap().to_vec();
+    edit(&mut stored);
+    counting.inner.put(key, stored.into()).await.unwrap();
+}
+
 /// A chunk comes as one GET, whose body the decoder takes as it arrives (object_store's
 /// `get_ranges` would merge ranges into one request anyway, and some stores read the whole object
 /// for every range). A body that breaks off is resumed with a ranged GET from the byte where it
@@ -438,18 +447,7 @@ async fn a_remote_chunk_is_one_get_resumed_where_it_broke_off_and_truncation_is_
     assert_eq!(counting.gets.load(Ordering::Relaxed) - gets, 3);
     assert_eq!(counting.range_starts.lock().unwrap().len(), 2);
 
-    use object_store::ObjectStoreExt;
-    let mut stored = counting
-        .inner
-        .get(&key)
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap()
-        .to_vec();
-    stored.truncate(stored.len() - 1);
-    counting.inner.put(&key, stored.into()).await.unwrap();
+    edit_stored(&counting, &key, |b| b.truncate(b.len() - 1)).await;
     let report = store
         .verify(1, &ReadOptions::default(), &cancel())
         .await
@@ -556,19 +554,11 @@ async fn a_partly_needed_chunk_is_read_in_checked_blocks_resumed_at_a_block() {
     );
 
     // A flipped bit in a block rank 1 reads.
-    use object_store::ObjectStoreExt;
-    let mut stored = counting
-        .inner
-        .get(&key)
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap()
-        .to_vec();
-    let at = stored.len() - 10;
-    stored[at] ^= 0x10;
-    counting.inner.put(&key, stored.into()).await.unwrap();
+    edit_stored(&counting, &key, |b| {
+        let at = b.len() - 10;
+        b[at] ^= 0x10;
+    })
+    .await;
     let err = restore(1).await.unwrap_err();
     assert!(err.is_integrity(), "{err}");
     let text = err.to_string();
