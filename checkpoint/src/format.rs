@@ -28,7 +28,7 @@
 //! is durable, so of two racing committers exactly one wins. Everything else under a step
 //! without a manifest is a leftover that garbage collection removes after an age bound.
 //!
-//! # Manifest schema v1 (`manifest.json`, JSON)
+//! # Manifest schema, format 2 (`manifest.json`, JSON)
 //!
 //! - `format_version`: `2` (this build reads `1` and `2`; a manifest of version 1 has no
 //!   `block_crc32c`). Readers reject any other value before reading further.

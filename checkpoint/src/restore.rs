@@ -13,8 +13,8 @@
 //! only part (a slice of row-sharded state re-cut for another world size) is read only in the
 //! 256 KiB blocks that hold that part (`ranged`: one ranged GET per run of blocks, or `pread`s),
 //! each checked against its own checksum (`block_crc32c`, format 2); a compressed chunk, or one
-//! written by format 1, is read whole. No decoded chunk is assembled in memory: its bytes go into the output a block of
-//! 256 KiB at a time, each block checksummed on the way while still in cache, and every chunk's
+//! written by format 1, is read whole. No decoded chunk is assembled in memory: its bytes go
+//! into the output a block of 256 KiB at a time, each block checksummed on the way while still in cache, and every chunk's
 //! length and stored and decoded checksums are checked before the output that holds its bytes is
 //! renamed into place. A raw chunk on a local directory streams from its file, so it is read once,
 //! written once and never held. A raw or `zstd` chunk from a remote store is never held either:

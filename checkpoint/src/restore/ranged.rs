@@ -117,8 +117,6 @@ impl Store {
     where
         S: FnMut(u64, &[u8]) -> Result<()>,
     {
-        use std::os::unix::fs::FileExt;
-
         let f = self.open_local_raw(step, o)?;
         let mut buf = vec![0u8; CHECK_BLOCK_BYTES.min(o.stored_bytes) as usize];
         let mut read = 0u64;
@@ -132,13 +130,7 @@ impl Store {
                     }
                     let (a, b) = block_bytes(o, block);
                     let bytes = &mut buf[..(b - a) as usize];
-                    f.read_exact_at(bytes, a).map_err(|e| {
-                        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                            self.truncated(step, o, f.metadata().map_or(a, |m| m.len()))
-                        } else {
-                            self.local_error("get", &o.key, e)
-                        }
-                    })?;
+                    self.read_local_at(step, o, &f, bytes, a)?;
                     read += b - a;
                     self.check_block(step, o, block, bytes)?;
                     sink(a, bytes)?;
@@ -190,7 +182,8 @@ impl Store {
             let mut buf: Vec<u8> = Vec::new();
             let mut pos = from;
             let mut got = 0u64;
-            let fed = loop {
+            // Every way out of the body goes through the count of bytes read.
+            let fed = 'body: loop {
                 let mut piece = match pieces.next().await {
                     None => break Ok(()),
                     Some(Err(e)) => break Err(self.err("get", &o.key, e)),
@@ -200,7 +193,7 @@ impl Store {
                 while !piece.is_empty() {
                     if pos >= hi {
                         // More than the range asked for.
-                        return Err(self.truncated(step, o, hi + piece.len() as u64));
+                        break 'body Err(self.truncated(step, o, hi + piece.len() as u64));
                     }
                     let block = pos / CHECK_BLOCK_BYTES;
                     let (_, b) = block_bytes(o, block);
@@ -208,8 +201,12 @@ impl Store {
                     let take = (want - buf.len()).min(piece.len());
                     buf.extend_from_slice(&piece.split_to(take));
                     if buf.len() == want {
-                        self.check_block(step, o, block, &buf)?;
-                        (sink.lock().unwrap_or_else(|e| e.into_inner()))(pos, &buf)?;
+                        let handed = self.check_block(step, o, block, &buf).and_then(|()| {
+                            (sink.lock().unwrap_or_else(|e| e.into_inner()))(pos, &buf)
+                        });
+                        if handed.is_err() {
+                            break 'body handed;
+                        }
                         pos = b;
                         next.store(pos, Ordering::Relaxed);
                         buf.clear();

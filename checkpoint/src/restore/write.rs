@@ -261,6 +261,27 @@ impl Store {
         Ok(f)
     }
 
+    /// Fills `buf` from byte `pos` of the open file `f` of object `o`; a file that ends early
+    /// is named as truncated, with its length now.
+    pub(super) fn read_local_at(
+        &self,
+        step: u64,
+        o: &ObjectEntry,
+        f: &std::fs::File,
+        buf: &mut [u8],
+        pos: u64,
+    ) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+
+        f.read_exact_at(buf, pos).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                self.truncated(step, o, f.metadata().map_or(pos, |m| m.len()))
+            } else {
+                self.local_error("get", &o.key, e)
+            }
+        })
+    }
+
     /// Streams raw object `o` from its open file `f` into the output `files` as `ops` say:
     /// [`STREAM_BLOCK_BYTES`] at a time, each block read, added to the checksum and written out
     /// while it is still in the core's cache, so the bytes are touched once and memory holds
@@ -277,8 +298,6 @@ impl Store {
         files: &[DurableFile],
         cancel: &CancellationToken,
     ) -> Result<()> {
-        use std::os::unix::fs::FileExt;
-
         let block_bytes = usize::try_from(o.stored_bytes)
             .unwrap_or(usize::MAX)
             .clamp(1, STREAM_BLOCK_BYTES);
@@ -294,13 +313,7 @@ impl Store {
             }
             let n = (o.stored_bytes - pos).min(buf.len() as u64);
             let block = &mut buf[..n as usize];
-            f.read_exact_at(block, pos).map_err(|e| {
-                if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                    self.truncated(step, o, f.metadata().map_or(pos, |m| m.len()))
-                } else {
-                    self.local_error("get", &o.key, e)
-                }
-            })?;
+            self.read_local_at(step, o, f, block, pos)?;
             crcs.push(block);
             write_block(ops, files, pos, block)?;
             pos += n;
