@@ -18,6 +18,13 @@ use crate::record::{
 };
 use crate::{Error, Result};
 
+/// How long after its TTL a dead member's key may still be seen: etcd revokes expired leases on
+/// its own schedule (with a 2 s TTL, keys went 2.1-2.3 s after the last renewal), and the
+/// deletion reaches the leader's watch after that. A member left out of a regroup stays out for
+/// its lease TTL plus this, so a dead one is not admitted back while its key lingers (that made a
+/// generation with it, which could not form and was replaced one regroup later).
+const LEASE_EXPIRY_LAG_MS: u64 = 1000;
+
 impl Driver {
     /// A step this node saw committed that `ctl/commit` does not record yet (its report to
     /// etcd failed, or has not happened yet).
@@ -208,8 +215,9 @@ impl Driver {
                         self.epoch_written(generation.number, epoch_lease);
                         if let core::Reason::CollectiveFailed { left_out, .. } = &reason {
                             // A node left out may be dead with its lease still running: not
-                            // admitted back with the same registration for a lease TTL.
-                            let until = now_ms + self.cfg.lease_ttl_ms;
+                            // admitted back with the same registration until that lease has
+                            // lapsed.
+                            let until = now_ms + self.cfg.lease_ttl_ms + LEASE_EXPIRY_LAG_MS;
                             for id in left_out {
                                 if let Some(rev) = self.view.member_revs.get(id) {
                                     self.excluded.insert(id.clone(), (*rev, until));
