@@ -129,8 +129,8 @@ def main():
                   f"{state['progress']['world_size']})", flush=True)
     if ip is not None:
         # A worker that joins a running job gets the state from its peers in ip.load(), as
-        # survivors of a switch do; gradients are averaged by ip.sync_gradients, not DDP.
-        ddp = model
+        # survivors of a switch do. The DDP behind `ddp` is made anew on each generation's group.
+        ddp = ip.ddp(model)
         step = ip.load()
         if rank == 0 and step:
             print(f"resumed from step {step} (samples_seen {sampler.consumed})", flush=True)
@@ -171,11 +171,13 @@ def main():
             for a in range(accum):
                 micro = mine[a * batch:(a + 1) * batch]
                 x, y = x_all[micro].to(device), y_all[micro].to(device)
-                loss = torch.nn.functional.mse_loss(ddp(x), y) / accum
-                loss.backward()
+                # The gradients of the micro-batches add up locally; the last one's backward
+                # averages them over the ranks.
+                local = a < accum - 1 and hasattr(ddp, "no_sync")
+                with (ddp.no_sync() if local else contextlib.nullcontext()):
+                    loss = torch.nn.functional.mse_loss(ddp(x), y) / accum
+                    loss.backward()
                 total += loss.item()
-            if ip is not None:
-                ip.sync_gradients(model)
         if ip is not None and args.slow_voter == os.environ.get("ELASTIC_NODE_ID"):
             time.sleep(args.slow_vote_s)
         if ip is not None and not ip.commit():

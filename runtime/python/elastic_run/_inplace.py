@@ -4,14 +4,14 @@ comes); every worker leaves its old process group, forms the new generation's gr
 trains on from the weights in its memory.
 
     ip = er.InPlace(state)                     # forms this generation's process group
+    ddp = ip.ddp(model)                        # DDP, made anew on each generation's group
     step = ip.load()                           # er.load(state), then agree with live peers
     while step < steps:
         if ip.switch_pending():                # a new generation (or a failed step)
             step = ip.switch(step)             # new group, ranks, scaling; the agreed step
         step += 1
         with ip.step():                        # a collective that fails ends the block
-            loss = model(x).loss(); loss.backward()
-        ip.sync_gradients(model)               # the data-parallel mean of the gradients
+            loss = ddp(x).loss(); loss.backward()
         if not ip.commit():                    # the vote: every rank's collectives held
             step -= 1
             continue
@@ -36,11 +36,12 @@ trains on from the weights in its memory.
 - **Drains.** When another node is preempted, :func:`elastic_run.should_stop` tells this
   rank False (the draining node's ranks are told True): every rank saves the agreed step, the
   draining node's ranks exit, and the others switch to the generation without it.
-- **Gradients** are averaged by :meth:`InPlace.sync_gradients`, in parameter order, in
-  buffers of at most ``GRAD_BUFFER_BYTES``, after the backward (once per step, whatever the
-  gradient accumulation). ``DistributedDataParallel`` is not used: its reducer is bound to
-  one group and re-orders its buckets on its own schedule, which a worker that joins later
-  does not share.
+- **Gradients** are averaged by the ``DistributedDataParallel`` behind :meth:`InPlace.ddp`,
+  which every rank makes anew on each generation's group (its reducer is bound to one group,
+  and re-orders its buckets after its first backward: fresh on every rank, a joiner's and a
+  survivor's agree); its all-reduces go through the client (see ``_ddp``). A loop without
+  DDP calls :meth:`InPlace.sync_gradients` after the backward: the mean in parameter order,
+  in buffers of at most ``GRAD_BUFFER_BYTES`` (once per step, whatever the accumulation).
 - **Aborting.** All-reduces run on a copy of the gradients, so a collective given up (blocked
   on a peer that vanished without closing its sockets) never writes into memory in use again.
   On NCCL the group's communicators are aborted (``ncclCommAbort``, within
@@ -113,6 +114,16 @@ class SwitchError(RuntimeError):
     did not form); the worker should exit and let the agent restart it."""
 
 
+# What a CollectiveGivenUp's message starts with.
+_GIVEN_UP = "elastic_run: collective given up: "
+
+
+class CollectiveGivenUp(RuntimeError):
+    """A collective of the client's was given up (a new generation was offered while it was
+    blocked, or it timed out) or failed: raised where the loop must stop the step, inside
+    :meth:`InPlace.step`, which ends the block and fails the step."""
+
+
 class _Superseded(SwitchError):
     """A newer generation was offered while this one's group formed (a member of this one was
     lost before it joined): the switch takes the newer one."""
@@ -128,10 +139,15 @@ def _is_collective_error(e):
             return True
     except (ImportError, AttributeError):
         pass
+    if isinstance(e, CollectiveGivenUp):
+        return True
     if not isinstance(e, RuntimeError):
         return False
     text = str(e)
-    return any(s in text for s in ("gloo", "Connection reset", "Connection closed", "Timed out", "NCCL"))
+    # (A CollectiveGivenUp raised through a future DDP waits for reaches the loop as a
+    # RuntimeError that quotes it.)
+    return any(s in text for s in ("gloo", "Connection reset", "Connection closed", "Timed out", "NCCL",
+                                   _GIVEN_UP))
 
 
 class _Offers:
@@ -296,6 +312,8 @@ class InPlace:
         self.closed = False
         # The generation whose failed collective was reported to the agent.
         self.reported_for = None
+        # The modules of ddp(), made anew on each generation's group.
+        self.models = []
         _state.in_place = self
         # Threads of its own end before the interpreter does, should the loop not close it.
         atexit.register(self.close)
@@ -328,6 +346,20 @@ class InPlace:
         last step failed, or another node drained (a new generation must follow)."""
         return self.failed is not None or self.awaiting is not None or self.offers.pending()
 
+    def ddp(self, module, **kwargs):
+        """``module`` in a ``DistributedDataParallel`` (``kwargs`` are its own, but for
+        ``process_group`` and ``init_sync``) that follows the switches: the module returned is
+        the one to call in the loop, and the DDP behind it is made anew on each generation's
+        group. Its gradient all-reduces, its buffer broadcast (``broadcast_buffers``, on by
+        default) and its bucket layout go through the client, so a peer that vanished fails
+        the step instead of blocking it; :meth:`sync_gradients` is then not called (it does
+        nothing for such a module)."""
+        from . import _ddp
+
+        m = _ddp.wrap(self, module, kwargs)
+        self.models.append(m)
+        return m
+
     def step(self):
         """A context for one step's forward and backward: a collective that fails inside it
         ends the block and fails the step (:meth:`commit` then says no)."""
@@ -341,6 +373,8 @@ class InPlace:
         False when a collective failed or a new generation came (the step then fails)."""
         import torch
 
+        if any(params is m for m in self.models):
+            return self.failed is None  # its DDP averaged them in the backward
         if hasattr(params, "parameters"):
             params = params.parameters()
         params = [p for p in params if p.requires_grad]
@@ -407,8 +441,10 @@ class InPlace:
             wait_saves()
         except Exception as e:  # the save's own error was reported to the agent
             print(f"elastic_run: the save in flight failed before the switch: {e}", flush=True)
+        blocked = False
         for _ in range(_SWITCH_ATTEMPTS_MAX):
             generation, new_rank = self._take_offer()
+            blocked = blocked or any(not f.done() for f in self.works)
             if self.group is not None:
                 old, self.group, self.store = (self.group, self.store), None, None
                 self._retire(*old)
@@ -419,6 +455,8 @@ class InPlace:
                 self.store, self.group = self._form(min(self.timeout_s, FORM_TIMEOUT_S))
                 self.world = world_size()
                 step = self._agree(step)
+                for m in self.models:
+                    m._regroup(self.group, blocked)
                 break
             except _Superseded as e:
                 print(f"elastic_run: {e}; taking the newer one", flush=True)
@@ -469,14 +507,20 @@ class InPlace:
         t.start()
         while not done.wait(_POLL_S):
             if self.offers.pending():
-                self.abandoned.append((t, None))
-                if len(self.abandoned) > _ABANDONED_GROUPS_MAX:
-                    raise SwitchError(f"elastic_run: {len(self.abandoned)} process groups were given up "
-                                      "while blocked; restart the worker")
+                self._abandon(t)
                 raise _Superseded(f"generation {generation()} was superseded while its group formed")
         if "error" in box:
             raise box["error"]
         return box["group"]
+
+    def _abandon(self, thread):
+        """Gives up a helper thread blocked in a collective (it ends with its own timeout);
+        past ``_ABANDONED_GROUPS_MAX`` of them and of groups given up, the worker fails (the
+        agent restarts it)."""
+        self.abandoned.append((thread, None))
+        if len(self.abandoned) > _ABANDONED_GROUPS_MAX:
+            raise SwitchError(f"elastic_run: {len(self.abandoned)} process groups were given up "
+                              "while blocked; restart the worker")
 
     def _take_offer(self):
         """Waits for the agent's offer (up to ``offer_wait_s``), says ``switched``, and takes
@@ -520,6 +564,8 @@ class InPlace:
             return
         self.closed = True
         self.offers.stop()
+        for m in self.models:
+            m._stop()
         _state.in_place = None
         # As destroy_process_group does at the end of a script: a group left to the
         # interpreter's exit may still hear its peers leave and fail then.
@@ -760,8 +806,11 @@ class _StepBlock:
         return self
 
     def __exit__(self, kind, e, tb):
-        if e is not None and _is_collective_error(e):
-            self.ip.failed = e
+        if isinstance(e, SwitchError):  # the worker must be restarted
+            return False
+        if e is not None and (_is_collective_error(e) or self.ip.failed is not None):
+            # The first reason stays (a DDP's hook names the collective it gave up).
+            self.ip.failed = self.ip.failed or e
             return True
         return False
 

@@ -126,6 +126,9 @@ class SwitchRetry(tc.Env):
         ip.group, ip.store, ip.works, ip.abandoned, ip.state = None, None, [], [], {}
         ip.timeout_s, ip.failed, ip.awaiting, ip.reported_for = 60.0, None, None, None
         ip.offers = mock.Mock(pending=lambda: False)
+        # A module of ip.ddp(): its DDP is made anew once, on the group of the switch that held.
+        regrouped = []
+        ip.models = [mock.Mock(_regroup=lambda group, blocked: regrouped.append((group, blocked)))]
         offers = iter([(5, 1), (6, 0)])
         formed, reported, agreed = [], [], []
 
@@ -154,6 +157,7 @@ class SwitchRetry(tc.Env):
         self.assertEqual(agreed, [40, 40], "the failed attempt left the step as it was")
         self.assertEqual(reported, ["a collective of the switch failed: connection closed"])
         self.assertEqual(ip.group, "group-2")
+        self.assertEqual(regrouped, [("group-2", False)])
         self.assertIsNone(ip.failed)
 
         # Past _SWITCH_ATTEMPTS_MAX failures, the worker fails (its agent restarts it).
@@ -178,6 +182,7 @@ class SwitchRetry(tc.Env):
         ip = _inplace.InPlace.__new__(_inplace.InPlace)
         ip.group, ip.store, ip.works, ip.abandoned, ip.state = None, None, [], [], {}
         ip.timeout_s, ip.failed, ip.awaiting, ip.reported_for = 60.0, None, None, None
+        ip.models = []
         offered_at = time.monotonic() + 0.2
         ip.offers = mock.Mock(pending=lambda: generation[0] == 5 and time.monotonic() >= offered_at)
         offers = iter([(5, 1), (6, 0)])
@@ -358,3 +363,188 @@ class InPlaceGroup(tc.TorchEnv):
         self.assertEqual((a["restores"], b["restores"]), ([], ["7"]))
         self.assertIsNone(b["heal_env_left"])
         self.assertIn("no live rank holds step 7 (the highest is 3)", out.stdout.decode())
+
+
+DDP_DRIVER = r"""
+import copy, json, multiprocessing, os, sys, threading, time, warnings
+warnings.simplefilter("ignore")
+sys.path.insert(0, sys.argv[1])
+import torch
+import elastic_run as er
+from elastic_run import _inplace
+
+PORT, SOLO_PORT = int(sys.argv[2]), int(sys.argv[3])
+
+
+def batch(rank, i):
+    return torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * rank + i))
+
+
+def regroup(ip, generation, world=2, port=PORT, blocked=False):
+    # What InPlace.switch does once the offer is taken: the generation's group, then the DDPs.
+    os.environ.update(ELASTIC_GENERATION=str(generation), WORLD_SIZE=str(world), MASTER_PORT=str(port))
+    ip.store, ip.group = _inplace._form_group(60)
+    ip.world = world
+    ip.offers.offer = None
+    ip.failed = None
+    for m in ip.models:
+        m._regroup(ip.group, blocked)
+
+
+def offer_in(ip, seconds):
+    # The agent's offer of a newer generation, while this rank is blocked on its peer.
+    def later():
+        time.sleep(seconds)
+        with ip.offers.lock:
+            ip.offers.offer = (99, 0, 0, {"ELASTIC_TEST": "1"})
+    threading.Thread(target=later, daemon=True).start()
+
+
+def train(ip, m, opt, rank, i, res):
+    x = batch(rank, i)
+    ref = copy.deepcopy(m.module)            # this rank's own gradient, without DDP
+    ref(x).pow(2).sum().backward()
+    opt.zero_grad()
+    with ip.step():
+        m(x).pow(2).sum().backward()
+    res.setdefault("synced", []).append(ip.sync_gradients(m))
+    res.setdefault("votes", []).append(ip.commit())
+    res.setdefault("local", []).append([p.grad.flatten().tolist() for p in ref.parameters()])
+    res.setdefault("grads", []).append([p.grad.flatten().tolist() for p in m.module.parameters()])
+    opt.step()
+
+
+def rank_main(rank, out, peer_back, peer_done):
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(PORT), ELASTIC_GENERATION="1")
+    os.environ.pop("ELASTIC_AGENT_SOCKET", None)
+    torch.manual_seed(rank)                  # the ranks start with different weights
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    with torch.no_grad():                    # different buffers too
+        model[1].running_mean.fill_(float(rank + 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ip = er.InPlace({"model": model, "opt": opt}, timeout_s=60)
+    m = ip.ddp(model)
+    seen = []                                # the buffers each forward of the model starts from
+    model.register_forward_pre_hook(lambda mod, args: seen.append(mod[1].running_mean.tolist())
+                                    if mod is model else None)
+    res = {"step": ip._agree(0)}
+    for i in range(3):
+        train(ip, m, opt, rank, i, res)
+    res["seen"] = seen[:]
+    res["layout_agreed"] = m._layout_agreed
+    res["weights"] = [p.detach().flatten().tolist() for p in model.parameters()]
+    res["state_keys"] = sorted(m.state_dict())
+    # Generation 2: a new DDP on a new group; the old one's hooks are off the parameters.
+    old = m.ddp
+    regroup(ip, 2)
+    res["new_ddp"] = m.ddp is not old
+    calls = m._hook_calls
+    train(ip, m, opt, rank, 3, res)
+    res["hook_calls"] = m._hook_calls - calls
+    # Rank 1 joins the buffer broadcast of the next forward but not the layout broadcast
+    # after it: rank 0's forward gives the layout up when an offer comes.
+    if rank == 1:
+        m._broadcast_buffers()
+        peer_back.wait(60)
+    else:
+        offer_in(ip, 0.5)
+        t0 = time.monotonic()
+        with ip.step():
+            m(batch(rank, 4)).sum().backward()
+            res["layout_raised"] = False
+        res["layout_given_up_s"] = time.monotonic() - t0
+        res["layout_failed"] = str(ip.failed)
+        res["abandoned"] = len(ip.abandoned)
+        peer_back.set()
+    # Generation 3: the DDP whose layout broadcast is blocked is let go (its hooks come off
+    # the parameters though its reducer is held), and the ranks train again.
+    regroup(ip, 3)
+    for i in range(5, 7):
+        train(ip, m, opt, rank, i, res)
+    # Rank 1 runs the forward but not the backward: rank 0's gradient all-reduce blocks, and
+    # is given up when an offer comes; the backward raises inside ip.step().
+    if rank == 1:
+        m(batch(rank, 7))
+        peer_done.wait(60)
+    else:
+        offer_in(ip, 0.5)
+        t0 = time.monotonic()
+        with ip.step():
+            m(batch(rank, 7)).sum().backward()
+            res["grad_raised"] = False
+        res["grad_given_up_s"] = time.monotonic() - t0
+        res["grad_failed"] = str(ip.failed)
+        res["grad_vote_pending"] = ip.switch_pending()
+        blocked = any(not f.done() for f in ip.works)
+        res["grad_blocked"] = blocked
+        # Alone (world 1) on a group of its own: trains on.
+        os.environ["RANK"] = "0"
+        regroup(ip, 4, world=1, port=SOLO_PORT, blocked=blocked)
+        train(ip, m, opt, rank, 8, res)
+        peer_done.set()
+    out.put((rank, res))
+    out.close()
+    out.join_thread()
+    # Blocked collectives and groups given up stay as they are (never destroyed).
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    back, done = ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=rank_main, args=(r, out, back, done)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=180) for _ in procs)
+    for p in procs:
+        p.join(60)
+    print(json.dumps(got))
+"""
+
+
+class InPlaceDDPGroup(tc.TorchEnv):
+    def test_a_ddp_module_follows_the_switches_and_gives_up_a_blocked_collective(self):
+        out = subprocess.run([sys.executable, "-c", DDP_DRIVER, tc.CLIENT_DIR, str(_free_port()), str(_free_port())],
+                             capture_output=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr.decode()[-3000:])
+        got = json.loads(out.stdout.decode().strip().splitlines()[-1])
+        a, b = got["0"], got["1"]
+        self.assertEqual((a["step"], b["step"]), (0, 0))
+        # Every step the ranks trained together: DDP's gradients are the mean of the ranks' own,
+        # the vote held, and the weights stay equal.
+        self.assertEqual(len(a["grads"]), 7)
+        self.assertEqual(len(b["grads"]), 6)
+        for i in range(6):
+            mean = [[(x + y) / 2 for x, y in zip(pa, pb)] for pa, pb in zip(a["local"][i], b["local"][i])]
+            for got_r in (a["grads"][i], b["grads"][i]):
+                for g, want in zip(got_r, mean):
+                    for x, y in zip(g, want):
+                        self.assertAlmostEqual(x, y, places=5, msg=f"step {i}")
+        self.assertEqual(a["synced"], [True] * 7)
+        self.assertEqual(a["votes"], [True] * 7)
+        self.assertEqual(b["votes"], [True] * 6)
+        self.assertEqual(a["weights"], b["weights"])
+        # The buffers each forward starts from are rank 0's (rank 1's own were 2.0).
+        self.assertEqual(a["seen"], b["seen"])
+        self.assertEqual(a["seen"][0], [1.0, 1.0, 1.0])
+        self.assertTrue(a["layout_agreed"] and b["layout_agreed"])
+        self.assertIn("module.1.running_mean", a["state_keys"])
+        self.assertNotIn("ddp", " ".join(a["state_keys"]))
+        # Generation 2: a new DDP, and only its hooks run (one bucket: one call a step).
+        self.assertTrue(a["new_ddp"] and b["new_ddp"])
+        self.assertEqual((a["hook_calls"], b["hook_calls"]), (1, 1))
+        # The layout broadcast and the gradient all-reduce blocked on rank 1 were given up
+        # when the offer came (0.5 s in), not after the group's 60 s timeout.
+        self.assertNotIn("layout_raised", a)
+        self.assertLess(a["layout_given_up_s"], 10)
+        self.assertIn("bucket layout was given up for a newer generation", a["layout_failed"])
+        self.assertEqual(a["abandoned"], 1)
+        self.assertNotIn("grad_raised", a)
+        self.assertLess(a["grad_given_up_s"], 10)
+        self.assertIn("gradient all-reduce was given up for a newer generation", a["grad_failed"])
+        self.assertTrue(a["grad_vote_pending"])
+        self.assertTrue(a["grad_blocked"])
+        # Alone afterwards (world 1), rank 0's DDP leaves its own gradient as it is.
+        self.assertEqual(a["grads"][6], a["local"][6])
