@@ -17,7 +17,9 @@
 //!   waiting members (the job restarts anyway, so every join policy admits them at this
 //!   boundary), ordered by join time then node id, up to `max`. It is frozen at once at `max`,
 //!   or when every lost member had drained (`drained`: it announced its leaving and saved
-//!   first) and no member drains now, else after the settle window.
+//!   first) and no member drains now, or when every survivor confirmed a regroup of the
+//!   current generation (a collective failure, see below: a leader lost that way is deposed,
+//!   and the next leader sees a loss) and no member drains now, else after the settle window.
 //! - **Undersized** (the generation is smaller than `min`, which was raised since): re-form it
 //!   as after a loss.
 //! - **Draining**: while a member of the current generation is draining (saving before it
@@ -473,6 +475,13 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
             .filter(|id| matches!(by_id.get(id.as_str()), Some(m) if m.state == MemberState::Alive))
             .cloned()
             .collect();
+        // Every survivor confirmed a regroup of this generation: their workers saw the lost
+        // member's collectives fail, and they wait for nothing more (a leader lost that way is
+        // deposed, and its successor sees the loss, not the regroup).
+        let regroup_confirmed = input.regroup.as_ref().is_some_and(|r| {
+            r.generation == input.current_number
+                && members.iter().all(|id| r.confirmed.contains(id))
+        });
         members.extend(waiting.iter().map(|m| m.node_id.clone()));
         members.truncate(max);
         if (members.len() as u32) < cfg.min_nodes {
@@ -496,7 +505,7 @@ pub fn decide(cfg: &CoreConfig, input: &Input) -> Decision {
         } else {
             Reason::MembersLost { lost }
         };
-        if all_drained {
+        if all_drained || (regroup_confirmed && !draining_now) {
             return Decision::Freeze { members, reason };
         }
         return freeze_settled(members, reason);

@@ -42,6 +42,9 @@ struct Case {
     /// A regroup of the current generation: `[since_ms, [confirmed...]]`.
     #[serde(default)]
     regroup: Option<(u64, Vec<String>)>,
+    /// The generation the regroup names (default: the current one).
+    #[serde(default)]
+    regroup_generation: Option<u64>,
     /// Members left out of a regroup lately.
     #[serde(default)]
     excluded: Vec<String>,
@@ -99,7 +102,7 @@ fn decision_table() {
             restart_requested_for: case.restart_for,
             current_resume_step: case.resume,
             regroup: case.regroup.as_ref().map(|(since_ms, confirmed)| Regroup {
-                generation: case.number,
+                generation: case.regroup_generation.unwrap_or(case.number),
                 since_ms: *since_ms,
                 confirmed: confirmed.clone(),
             }),
