@@ -98,6 +98,8 @@ _RECONNECT_PAUSE_S = 0.5
 _ABANDONED_GROUPS_MAX = 8
 # How long aborting an NCCL group's communicators may take before the group is kept instead.
 ABORT_TIMEOUT_S = 10.0
+# How often a rank tries rank 0's store at a switch, until it listens.
+_LISTEN_POLL_S = 0.001
 # Store keys of each generation's group live under this prefix.
 _STORE_PREFIX = "elastic_run/inplace"
 
@@ -257,6 +259,8 @@ def _form_group(timeout_s, params=None):
         # so it serves this one too.
         store = _served[port]
     else:
+        if r != 0:
+            _await_listener(addr, port, timeout_s)
         store = TCPStore(addr, port, w, is_master=(r == 0), timeout=timeout, wait_for_workers=False)
         if r == 0:
             _served[port] = store
@@ -286,6 +290,24 @@ def _form_group(timeout_s, params=None):
     pg._set_default_backend(kind)
     pg._set_group_name(f"elastic_run_{g}")
     return store, pg
+
+
+def _await_listener(addr, port, timeout_s):
+    """Waits until something listens on ``addr:port`` (rank 0's store), trying every
+    ``_LISTEN_POLL_S``, for at most ``timeout_s``. A TCPStore client that comes before its
+    server backs off for about half a second after the first refusal; the ranks of a switch
+    reach the new group within milliseconds of each other, so rank 0 is often a little late."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.001, min(1.0, deadline - time.monotonic()))).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                return  # the store's own connect says why
+            time.sleep(_LISTEN_POLL_S)
 
 
 class InPlace:
@@ -401,7 +423,8 @@ class InPlace:
         collectives of this step held. False drops the step on every rank."""
         if self.failed is not None:
             ok = 0
-            self._report_failure()
+            if not self.offers.pending():  # else the regroup was made already
+                self._report_failure()
         elif self.offers.pending():
             self.failed = "a new generation was offered during the step"
             ok = 0
@@ -437,13 +460,24 @@ class InPlace:
         from ._env import world_size
 
         started = time.monotonic()
+        # Where the switch's time goes, in seconds: printed by rank 0.
+        spent = dict.fromkeys(("save", "offer", "group", "agree"), 0.0)
+        mark = [started]
+
+        def lap(phase):
+            now = time.monotonic()
+            spent[phase] += now - mark[0]
+            mark[0] = now
+
         try:
             wait_saves()
         except Exception as e:  # the save's own error was reported to the agent
             print(f"elastic_run: the save in flight failed before the switch: {e}", flush=True)
+        lap("save")
         blocked = False
         for _ in range(_SWITCH_ATTEMPTS_MAX):
             generation, new_rank = self._take_offer()
+            lap("offer")
             blocked = blocked or any(not f.done() for f in self.works)
             if self.group is not None:
                 old, self.group, self.store = (self.group, self.store), None, None
@@ -453,10 +487,12 @@ class InPlace:
             self.awaiting = None
             try:
                 self.store, self.group = self._form(min(self.timeout_s, FORM_TIMEOUT_S))
+                lap("group")
                 self.world = world_size()
                 step = self._agree(step)
                 for m in self.models:
                     m._regroup(self.group, blocked)
+                lap("agree")
                 break
             except _Superseded as e:
                 print(f"elastic_run: {e}; taking the newer one", flush=True)
@@ -468,14 +504,16 @@ class InPlace:
                       flush=True)
                 self.failed = e
                 self._report_failure()
+            lap("group")
         else:
             raise SwitchError(f"elastic_run: no switch completed in {_SWITCH_ATTEMPTS_MAX} attempts")
         self._started_at(step)
         _state.checkpoint_at = None
         ms = (time.monotonic() - started) * 1000
         if new_rank == 0:
+            parts = ", ".join(f"{k} {v * 1000:.0f}" for k, v in spent.items())
             print(f"elastic_run: switched to generation {generation} in place at step {step} "
-                  f"(world {self.world}) in {ms:.0f} ms", flush=True)
+                  f"(world {self.world}) in {ms:.0f} ms ({parts} ms)", flush=True)
         return step
 
     def _form(self, timeout_s):
