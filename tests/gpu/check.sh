@@ -6,7 +6,8 @@
 #  3. restore into the GPU: the pinned path bitwise (model and Adam state), then its speed
 #     against torch.load(map_location="cuda") and dcp.load;
 #  4. the in-place client on NCCL: a group of one trains and votes; a group of two whose peer
-#     never comes gives its all-reduce up within the timeout, aborts the communicator, exits.
+#     never comes gives its all-reduce up within the timeout, aborts the communicator, exits;
+#     both again through ip.ddp(model) (DDP's comm hook).
 # Usage: tests/gpu/check.sh [OUT_DIR]   (elastic-run from target/debug or $ELASTIC_RUN)
 # Each part prints its own verdict; the exit status is that of the last failure (0: all passed).
 set -uo pipefail
@@ -40,5 +41,7 @@ timeout 240 python3 "$repo/tests/gpu/restore_speed.py" --gib "${SNAPSHOT_GIB:-2}
 echo "== 4. the in-place client on NCCL"
 timeout 60 python3 "$repo/tests/gpu/nccl_inplace.py" one | tee "$out/nccl.jsonl" || { echo "NCCL GROUP OF ONE FAILED"; rc=1; }
 timeout 120 python3 "$repo/tests/gpu/nccl_inplace.py" alone --timeout-s 5 | tee -a "$out/nccl.jsonl" || { echo "NCCL ABORT FAILED (rc ${PIPESTATUS[0]})"; rc=1; }
+timeout 60 python3 "$repo/tests/gpu/nccl_inplace.py" one --ddp | tee -a "$out/nccl.jsonl" || { echo "NCCL DDP GROUP OF ONE FAILED"; rc=1; }
+timeout 120 python3 "$repo/tests/gpu/nccl_inplace.py" alone --timeout-s 5 --ddp | tee -a "$out/nccl.jsonl" || { echo "NCCL DDP ABORT FAILED (rc ${PIPESTATUS[0]})"; rc=1; }
 rm -rf "$w"
 exit "$rc"

@@ -1,10 +1,12 @@
 """The in-place client on NCCL, one GPU: (a) a group of one trains, votes and shuts down;
 (b) a group of two whose second rank never comes: the gradient all-reduce is given up within
 the client's timeout, the communicator is aborted (the group not kept), and the process exits. Prints one JSON
-line per part; exits non-zero when a part fails. Run each part in its own process:
+line per part; exits non-zero when a part fails. With --ddp the model is ip.ddp(model): the
+gradients go through DDP's comm hook (a group of one), and the blocked all-reduce is given up
+by the hook's thread, failing the backward (a group of two). Run each part in its own process:
 
-    python tests/gpu/nccl_inplace.py one
-    timeout 120 python tests/gpu/nccl_inplace.py alone --timeout-s 5
+    python tests/gpu/nccl_inplace.py one [--ddp]
+    timeout 120 python tests/gpu/nccl_inplace.py alone --timeout-s 5 [--ddp]
 """
 import argparse
 import json
@@ -29,6 +31,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("part", choices=["one", "alone"])
     p.add_argument("--timeout-s", type=float, default=5.0)
+    p.add_argument("--ddp", action="store_true", help="train through ip.ddp(model)")
     a = p.parse_args()
     assert torch.cuda.is_available(), "no CUDA device"
     os.environ.pop("ELASTIC_AGENT_SOCKET", None)
@@ -40,14 +43,15 @@ def main():
     t0 = time.monotonic()
     ip = er.InPlace({"model": model, "optim": opt}, timeout_s=a.timeout_s, offer_wait_s=1.0)
     backend = type(ip.group._get_backend(torch.device("cuda", 0))).__name__
-    out = {"part": a.part, "backend": backend, "form_ms": round((time.monotonic() - t0) * 1000)}
+    out = {"part": a.part, "ddp": a.ddp, "backend": backend, "form_ms": round((time.monotonic() - t0) * 1000)}
+    net = ip.ddp(model) if a.ddp else model
     if a.part == "one":
         step = ip.load()
         w0 = model.weight.detach().clone()
         for _ in range(5):
             with ip.step():
-                model(torch.randn(8, 64, device="cuda")).pow(2).mean().backward()
-            assert ip.sync_gradients(model), ip.failed
+                net(torch.randn(8, 64, device="cuda")).pow(2).mean().backward()
+            assert ip.sync_gradients(net), ip.failed
             assert ip.commit(), ip.failed
             opt.step()
             opt.zero_grad()
@@ -55,10 +59,10 @@ def main():
         ip.close()
         out.update(ok=bool(step == 5 and not torch.equal(w0, model.weight)), steps=step)
     else:
-        with ip.step():
-            model(torch.randn(8, 64, device="cuda")).pow(2).mean().backward()
         t1 = time.monotonic()
-        synced = ip.sync_gradients(model)
+        with ip.step():
+            net(torch.randn(8, 64, device="cuda")).pow(2).mean().backward()
+        synced = ip.sync_gradients(net)
         out["sync_returned_ms"] = round((time.monotonic() - t1) * 1000)
         out["synced"] = synced
         out["failed"] = str(ip.failed)[:200]

@@ -548,3 +548,35 @@ class InPlaceDDPGroup(tc.TorchEnv):
         self.assertTrue(a["grad_blocked"])
         # Alone afterwards (world 1), rank 0's DDP leaves its own gradient as it is.
         self.assertEqual(a["grads"][6], a["local"][6])
+
+
+class StoreListener(tc.Env):
+    def test_a_rank_waits_for_rank_0s_store_to_listen_and_gives_up_at_its_timeout(self):
+        """A TCPStore client refused at first backs off for about half a second: the ranks of
+        a switch try the port themselves until rank 0's store listens."""
+        import threading
+
+        from elastic_run import _inplace
+
+        port = _free_port()
+        listening = threading.Event()
+
+        def listen_later():
+            time.sleep(0.2)
+            s = socket.socket()
+            s.bind(("127.0.0.1", port))
+            s.listen(1)
+            listening.set()
+            conn, _ = s.accept()
+            conn.close()
+            s.close()
+
+        t = threading.Thread(target=listen_later, daemon=True)
+        t.start()
+        _inplace._await_listener("127.0.0.1", port, 30.0)
+        self.assertTrue(listening.is_set(), "returned before anything listened")
+        t.join(5)
+        # Nothing ever listens: it returns at its timeout, and the store's own connect says why.
+        started = time.monotonic()
+        _inplace._await_listener("127.0.0.1", _free_port(), 0.3)
+        self.assertGreaterEqual(time.monotonic() - started, 0.3)
