@@ -131,14 +131,18 @@ def _module_class():
 
         # --- inside -----------------------------------------------------------------------
 
-        def _fail(self, why):
+        def _fail(self, why, group=None):
+            """The error that fails the step, and the group marked broken (``group``, by default
+            the current one): this rank starts no other collective on it."""
             ip = self._ip
+            ip._broken(group)
             ip.failed = ip.failed or why
             return _inplace.CollectiveGivenUp(f"{_inplace._GIVEN_UP}{why}")
 
         def _hook(self, epoch, bucket):
             """DDP's comm hook: the bucket's all-reduce on a copy, completed (divided by the
-            world) or failed by the module's thread."""
+            world) or failed by the module's thread. A bucket of a step that failed already, or
+            during which a new generation was offered, is not all-reduced."""
             ip = self._ip
             self.__dict__["_hook_calls"] += 1
             out = torch.futures.Future()
@@ -149,13 +153,14 @@ def _module_class():
                 out.set_exception(self._fail(ip.failed or "a new generation was offered during the step"))
                 return out
             flat = bucket.buffer().clone()
+            group = ip.group
             try:
-                fut = ip._issue(lambda: ip.group.allreduce([flat]))
+                fut = ip._issue(lambda: group.allreduce([flat]))
             except Exception as e:  # noqa: BLE001 (a peer gone before the collective started)
                 out.set_exception(self._fail(e))
                 return out
             self._ensure_thread()
-            self._queue.put((epoch, fut, flat, out, ip.world))
+            self._queue.put((epoch, group, fut, flat, out, ip.world))
             return out
 
         def _ensure_thread(self):
@@ -166,32 +171,36 @@ def _module_class():
 
         def _complete(self):
             """The module's thread: each bucket's all-reduce polled until it is done, then its
-            future completed; failed when it failed, when a new generation is offered, when it
-            is older than the current DDP, or after ``timeout_s``. After a failure the other
-            buckets of the same DDP fail at once."""
-            ip = self._ip
+            future completed; failed when it failed, when a new generation is offered, or after
+            ``timeout_s``, and then the later buckets of the same DDP fail at once. A bucket of
+            a DDP replaced meanwhile (a switch) fails without touching the loop's state."""
             failed_epoch = None
             while True:
                 item = self._queue.get()
                 if item is None or self._stopped:
                     return
-                epoch, fut, flat, out, world = item
-                why = None
-                if epoch != self._epoch or epoch == failed_epoch:
-                    why = "a gradient all-reduce of a step that failed"
-                else:
-                    why = self._poll(fut, epoch)
-                    if why is None:
-                        try:
-                            fut.value()
-                        except Exception as e:  # noqa: BLE001
-                            why = f"a gradient all-reduce failed: {e}"
+                epoch, group, fut, flat, out, world = item
+                stale = _inplace.CollectiveGivenUp(f"{_inplace._GIVEN_UP}a gradient all-reduce of an earlier generation")
+                if epoch != self._epoch:
+                    out.set_exception(stale)
+                    continue
+                if epoch == failed_epoch:
+                    out.set_exception(self._fail("a gradient all-reduce of a step that failed", group))
+                    continue
+                why = self._poll(fut, epoch)
+                if why is None:
+                    try:
+                        fut.value()
+                    except Exception as e:  # noqa: BLE001
+                        why = f"a gradient all-reduce failed: {e}"
                 if why is None:
                     flat.div_(world)
                     out.set_result(flat)
+                elif epoch != self._epoch:
+                    out.set_exception(stale)
                 else:
                     failed_epoch = epoch
-                    out.set_exception(self._fail(why))
+                    out.set_exception(self._fail(why, group))
 
         def _poll(self, fut, epoch):
             ip = self._ip

@@ -336,6 +336,8 @@ class InPlace:
         self.reported_for = None
         # The modules of ddp(), made anew on each generation's group.
         self.models = []
+        # The group on which a collective failed or was given up (none is started on it).
+        self.broken = None
         _state.in_place = self
         # Threads of its own end before the interpreter does, should the loop not close it.
         atexit.register(self.close)
@@ -674,19 +676,35 @@ class InPlace:
         try:
             fut = self._issue(issue)
             if self._given_up(fut) is not None:
+                self._broken()
                 return None
             fut.value()
         except Exception as e:  # noqa: BLE001
+            self._broken()
             self.failed = self.failed or e
             return None
         return t
 
     def _issue(self, issue):
         """Starts one collective and records its future (one left undone at a switch means
-        the group has a blocked thread)."""
+        the group has a blocked thread). None is started on a group where one failed or was
+        given up (:meth:`_broken`)."""
+        if self.broken is not None and self.broken is self.group:
+            raise CollectiveGivenUp(f"{_GIVEN_UP}a collective of this generation's group failed or was given up; "
+                                    "no other is started on it")
         fut = issue().get_future()
         self.works.append(fut)
         return fut
+
+    def _broken(self, group=None):
+        """A collective on the current group failed or was given up: this rank starts no other
+        on it. Collectives are matched by their order on each rank, so one that this rank left
+        while its peers go on (a gradient all-reduce given up for an offer while a peer still
+        runs it) would pair its next one, the vote say, with a different collective of theirs:
+        gloo aborts the process on the size mismatch, or mixes the bytes up. The peers' own
+        collectives then wait for the offer, as this rank does; the step is dropped everywhere.
+        ``group``: the group of the collective, by default the current one."""
+        self.broken = group if group is not None else self.group
 
     def _given_up(self, fut):
         """Polls ``fut`` in slices until it is done (None), or says why it is given up: a newer
@@ -780,8 +798,10 @@ class InPlace:
             if why is None:
                 fut.value()
         except Exception as e:  # noqa: BLE001
+            self._broken()
             raise SwitchError(f"elastic_run: a collective of the switch failed: {e}") from e
         if why is not None:
+            self._broken()
             raise SwitchError(f"elastic_run: a collective of the switch was given up: {why}")
 
     def _broadcast_state(self, source, me):

@@ -123,7 +123,7 @@ class SwitchRetry(tc.Env):
 
         self.env(WORLD_SIZE=3)  # the environment is restored after the test
         ip = _inplace.InPlace.__new__(_inplace.InPlace)
-        ip.group, ip.store, ip.works, ip.abandoned, ip.state = None, None, [], [], {}
+        ip.group, ip.store, ip.works, ip.abandoned, ip.state, ip.broken = None, None, [], [], {}, None
         ip.timeout_s, ip.failed, ip.awaiting, ip.reported_for = 60.0, None, None, None
         ip.offers = mock.Mock(pending=lambda: False)
         # A module of ip.ddp(): its DDP is made anew once, on the group of the switch that held.
@@ -180,7 +180,7 @@ class SwitchRetry(tc.Env):
 
         self.env(WORLD_SIZE=3, RANK=1)
         ip = _inplace.InPlace.__new__(_inplace.InPlace)
-        ip.group, ip.store, ip.works, ip.abandoned, ip.state = None, None, [], [], {}
+        ip.group, ip.store, ip.works, ip.abandoned, ip.state, ip.broken = None, None, [], [], {}, None
         ip.timeout_s, ip.failed, ip.awaiting, ip.reported_for = 60.0, None, None, None
         ip.models = []
         offered_at = time.monotonic() + 0.2
@@ -253,6 +253,7 @@ class SwitchCollectives(tc.Env):
 
         ip = _inplace.InPlace.__new__(_inplace.InPlace)
         ip.works, ip.timeout_s, ip.offers = [], timeout_s, self.Offers(offer_after_s)
+        ip.group, ip.broken, ip.failed = object(), None, None
         return ip, _inplace
 
     def test_a_blocked_collective_gives_up_on_a_newer_offer_or_the_timeout(self):
@@ -273,9 +274,36 @@ class SwitchCollectives(tc.Env):
 
         def refuse():
             raise RuntimeError("the group is aborted")
+        ip.group = object()  # the next generation's
         with self.assertRaisesRegex(_inplace.SwitchError, "aborted"):
             ip._sync(refuse)
+        ip.group = object()
         ip._sync(lambda: self.Work(self.Future(done=True)))
+
+    def test_after_a_collective_given_up_or_failed_no_other_is_started_on_its_group(self):
+        """Collectives pair up by their order on each rank: a rank that left one (given up for
+        an offer, or failed) while its peers go on would pair its next one (the vote) with a
+        different collective of theirs, which made gloo abort the process on the size
+        mismatch. It starts none on that group; the next generation's group is clean."""
+        ip, _inplace = self.ip(offer_after_s=0.1)
+        self.assertIsNone(ip._wait(lambda: self.Work(self.Future()), "t"))
+        started = []
+
+        def vote():
+            started.append(1)
+            return self.Work(self.Future(done=True))
+        self.assertIsNone(ip._wait(vote, "t"))
+        self.assertEqual(started, [], "a collective was started on a group where one was given up")
+        self.assertIsInstance(ip.failed, _inplace.CollectiveGivenUp)
+        ip.group, ip.failed = object(), None
+        self.assertEqual(ip._wait(vote, "t"), "t")
+        self.assertEqual(started, [1])
+        # A failed one (a peer closed its sockets) too.
+        ip, _inplace = self.ip()
+        self.assertIsNone(ip._wait(lambda: self.Work(self.Future(done=True, error=RuntimeError("Connection reset"))),
+                                   "t"))
+        self.assertIsNone(ip._wait(vote, "t"))
+        self.assertEqual(started, [1])
 
 
 class VoteFailure(tc.TorchEnv):
@@ -301,7 +329,7 @@ class VoteFailure(tc.TorchEnv):
         from elastic_run import _inplace
 
         ip = _inplace.InPlace.__new__(_inplace.InPlace)
-        ip.works, ip.timeout_s = [], 30.0
+        ip.works, ip.timeout_s, ip.broken = [], 30.0, None
         ip.offers = SwitchCollectives.Offers(offer_after_s)
         ip.failed, ip.reported_for = None, None
         ip.group = self.Group(RuntimeError("Connection reset by peer"))
