@@ -17,9 +17,12 @@ trains on from the weights in its memory.
             continue
         opt.step()
 
-- **The vote.** :meth:`InPlace.commit` is one small all-reduce: a rank whose gradient
-  all-reduce failed (a peer died, or the agent offered a new generation while it was blocked
-  on a peer that vanished) says no, and no rank applies the step. A rank that lost the vote's
+- **The vote.** :meth:`InPlace.commit` is one small all-reduce: a rank that saw a new
+  generation offered during its step says no, and no rank applies the step. A rank whose
+  collective failed (a peer died, or the agent offered a new generation while it was blocked
+  on a peer that vanished) starts no other collective on that group, its vote included
+  (collectives pair up by their order on each rank), so no peer's vote completes: they give it
+  up when the generation is offered, and nobody applies the step. A rank that lost the vote's
   own result (a peer died in the middle of it) may be one step behind the others; the switch
   then gives it the state of a rank that is ahead.
 - **The switch** (:meth:`InPlace.switch`): waits for the agent's offer, finishes the save in

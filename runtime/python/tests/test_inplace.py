@@ -16,7 +16,23 @@ from tests import test_client as tc
 
 er = tc.er
 
-DRIVER = r"""
+# Both drivers run two ranks forked from one interpreter, each putting (rank, results) on a
+# queue; the driver prints them as one JSON line.
+RUN_RANKS = r"""
+def run_ranks(rank_main, extra, wait_s):
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    shared = extra(ctx)
+    procs = [ctx.Process(target=rank_main, args=(r, out, *shared)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=wait_s) for _ in procs)
+    for p in procs:
+        p.join(60)
+    print(json.dumps(got))
+"""
+
+DRIVER = RUN_RANKS + r"""
 import json, multiprocessing, os, sys, warnings
 warnings.simplefilter("ignore")
 sys.path.insert(0, sys.argv[1])
@@ -97,15 +113,7 @@ def rank_main(rank, out):
 
 
 if __name__ == "__main__":
-    ctx = multiprocessing.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(60)
-    print(json.dumps(got))
+    run_ranks(rank_main, lambda ctx: (), 120)
 """
 
 
@@ -393,7 +401,7 @@ class InPlaceGroup(tc.TorchEnv):
         self.assertIn("no live rank holds step 7 (the highest is 3)", out.stdout.decode())
 
 
-DDP_DRIVER = r"""
+DDP_DRIVER = RUN_RANKS + r"""
 import copy, json, multiprocessing, os, sys, threading, time, warnings
 warnings.simplefilter("ignore")
 sys.path.insert(0, sys.argv[1])
@@ -426,6 +434,17 @@ def offer_in(ip, seconds):
         with ip.offers.lock:
             ip.offers.offer = (99, 0, 0, {"ELASTIC_TEST": "1"})
     threading.Thread(target=later, daemon=True).start()
+
+
+def given_up_step(ip, m, rank, i, res, key):
+    # A step whose peer does not come: the offer (0.5 s in) ends it inside ip.step().
+    offer_in(ip, 0.5)
+    t0 = time.monotonic()
+    with ip.step():
+        m(batch(rank, i)).sum().backward()
+        res[key + "_raised"] = False
+    res[key + "_given_up_s"] = time.monotonic() - t0
+    res[key + "_failed"] = str(ip.failed)
 
 
 def train(ip, m, opt, rank, i, res):
@@ -476,13 +495,7 @@ def rank_main(rank, out, peer_back, peer_done):
         m._broadcast_buffers()
         peer_back.wait(60)
     else:
-        offer_in(ip, 0.5)
-        t0 = time.monotonic()
-        with ip.step():
-            m(batch(rank, 4)).sum().backward()
-            res["layout_raised"] = False
-        res["layout_given_up_s"] = time.monotonic() - t0
-        res["layout_failed"] = str(ip.failed)
+        given_up_step(ip, m, rank, 4, res, "layout")
         res["abandoned"] = len(ip.abandoned)
         peer_back.set()
     # Generation 3: the DDP whose layout broadcast is blocked is let go (its hooks come off
@@ -496,13 +509,7 @@ def rank_main(rank, out, peer_back, peer_done):
         m(batch(rank, 7))
         peer_done.wait(60)
     else:
-        offer_in(ip, 0.5)
-        t0 = time.monotonic()
-        with ip.step():
-            m(batch(rank, 7)).sum().backward()
-            res["grad_raised"] = False
-        res["grad_given_up_s"] = time.monotonic() - t0
-        res["grad_failed"] = str(ip.failed)
+        given_up_step(ip, m, rank, 7, res, "grad")
         res["grad_vote_pending"] = ip.switch_pending()
         blocked = any(not f.done() for f in ip.works)
         res["grad_blocked"] = blocked
@@ -519,16 +526,7 @@ def rank_main(rank, out, peer_back, peer_done):
 
 
 if __name__ == "__main__":
-    ctx = multiprocessing.get_context("fork")
-    out = ctx.Queue()
-    back, done = ctx.Event(), ctx.Event()
-    procs = [ctx.Process(target=rank_main, args=(r, out, back, done)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=180) for _ in procs)
-    for p in procs:
-        p.join(60)
-    print(json.dumps(got))
+    run_ranks(rank_main, lambda ctx: (ctx.Event(), ctx.Event()), 180)
 """
 
 
