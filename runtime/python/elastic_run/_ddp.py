@@ -57,10 +57,7 @@ def _module_class():
             state["_ip"] = ip
             state["_kwargs"] = kwargs
             state["_sync_buffers"] = (sync if sync is not None else broadcast if broadcast is not None else True)
-            # DDP agrees on its bucket layout after its first backward, unless it finds unused
-            # parameters on a dynamic graph (then the layout is never rebuilt).
-            state["_layout_agreed"] = kwargs.get("find_unused_parameters", False) and not kwargs.get(
-                "static_graph", False)
+            state["_layout_agreed"] = False
             state["_ddp"] = None
             state["_epoch"] = 0
             state["_hook_calls"] = 0
@@ -74,13 +71,15 @@ def _module_class():
         # --- what the loop calls ----------------------------------------------------------
 
         def forward(self, *args, **kwargs):
-            ip = self._ip
-            if torch.is_grad_enabled() and ip.world > 1:
-                if self._sync_buffers:
+            ip, ddp = self._ip, self._ddp
+            if ip.world > 1:
+                # When DDP would sync them: after a forward that needs the gradients synced
+                # (not under no_grad, not inside no_sync).
+                if self._sync_buffers and ddp.require_forward_param_sync:
                     self._broadcast_buffers()
-                if not self._layout_agreed:
+                if torch.is_grad_enabled() and not self._layout_agreed:
                     self._agree_layout()
-            return self._ddp(*args, **kwargs)
+            return ddp(*args, **kwargs)
 
         def no_sync(self):
             """DDP's ``no_sync()``: the gradients of the backwards inside accumulate locally."""
@@ -103,8 +102,9 @@ def _module_class():
                                           forward_sync_buffers=False, **self._kwargs)
             ddp.register_comm_hook(self._epoch, self._hook)
             self.__dict__["_ddp"] = ddp
-            self.__dict__["_layout_agreed"] = self._kwargs.get("find_unused_parameters", False) and not \
-                self._kwargs.get("static_graph", False)
+            # DDP agrees on its bucket layout after its first backward, unless it finds unused
+            # parameters on a dynamic graph (then the layout is never rebuilt).
+            self.__dict__["_layout_agreed"] = ddp.find_unused_parameters and not ddp.static_graph
 
         def _regroup(self, group, blocked):
             """At a switch: the old DDP's hooks are taken off the parameters (a DDP with a
@@ -217,7 +217,7 @@ def _module_class():
         def _broadcast_buffers(self):
             """The module's buffers from rank 0, in runs of one dtype, polled."""
             ip = self._ip
-            buffers = [b for b in self.module.buffers()]
+            buffers = list(self.module.buffers())
             runs = {}
             for b in buffers:
                 runs.setdefault(b.dtype, []).append(b)
@@ -236,6 +236,9 @@ def _module_class():
             """DDP's bucket layout, agreed with rank 0 after the first backward (a broadcast on
             the group), run on a helper thread and polled. Given up, the DDP is given up with
             its group at the switch."""
+            ip = self._ip
+            if ip.broken is not None and ip.broken is ip.group:
+                raise self._fail("a collective of this generation's group failed or was given up")
             reducer = self._ddp.reducer
             done = threading.Event()
             box = {}
@@ -248,7 +251,6 @@ def _module_class():
                 finally:
                     done.set()
 
-            ip = self._ip
             t = threading.Thread(target=run, name="elastic_run-ddp-layout", daemon=True)
             start = time.monotonic()
             t.start()
