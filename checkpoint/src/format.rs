@@ -28,20 +28,24 @@
 //! is durable, so of two racing committers exactly one wins. Everything else under a step
 //! without a manifest is a leftover that garbage collection removes after an age bound.
 //!
-//! # Manifest schema, format 2 (`manifest.json`, JSON)
+//! # Manifest schema, format 3 (`manifest.json`, JSON)
 //!
-//! - `format_version`: `2` (this build reads `1` and `2`; a manifest of version 1 has no
-//!   `block_crc32c`). Readers reject any other value before reading further.
+//! - `format_version`: `3` (this build reads `1`, `2` and `3`; a manifest of version 1 has no
+//!   `block_crc32c`, and only version 3 writes `zstd-blocks`). Readers reject any other value
+//!   before reading further.
 //! - `step`, `created_unix_ms`, `world_size`, `metadata` (any JSON the trainer adds).
 //! - `parts`: the `{writer, attempt}` pairs committed.
 //! - `objects[]`: `key`, `stored_bytes`, `stored_crc32c` (of the bytes in the store),
-//!   `codec` (`{"name":"raw"}`, `{"name":"zstd"}` or
+//!   `codec` (`{"name":"raw"}`, `{"name":"zstd-blocks","width":w,"blocks":[n..]}`, and from
+//!   older formats `{"name":"zstd"}` or
 //!   `{"name":"zstd-planes","width":w,"planes":[{"zstd":bool,"stored_bytes":n}..]}`),
-//!   `raw_bytes`, `raw_crc32c` (of the decoded bytes). A `zstd-planes` object is the `w`
-//!   planes of the aligned prefix, one after another, then the unaligned tail raw. A raw
-//!   object also has `block_crc32c` (format 2): the crc32c of each [`CHECK_BLOCK_BYTES`] of
-//!   it, so a reader that needs part of it reads and checks only the blocks that hold that
-//!   part.
+//!   `raw_bytes`, `raw_crc32c` (of the decoded bytes). A `zstd-blocks` object is its blocks of
+//!   [`CHECK_BLOCK_BYTES`] decoded bytes each, stored one after another in `n` bytes each
+//!   ([`crate::codec`] has the layout of a block). A `zstd-planes` object is the `w` planes of
+//!   the aligned prefix, one after another, then the unaligned tail raw. A raw or `zstd-blocks`
+//!   object also has `block_crc32c`: the crc32c of each [`CHECK_BLOCK_BYTES`] of its decoded
+//!   bytes, so a reader that needs part of it reads, decodes and checks only the blocks that
+//!   hold that part.
 //! - `files[]`: `name` (relative path as pushed), `header` (the exact safetensors header
 //!   text, padding included, so a pulled file is byte-identical), `data_bytes`, and
 //!   `segments[]` of `{object, offset, len}`: the file's data region is these ranges of the
@@ -104,11 +108,11 @@ use crate::codec::Codec;
 use crate::header::{self, HEADER_BYTES_MAX};
 
 /// The manifest format version this build writes. Version 2 added `block_crc32c` to raw
-/// objects.
-pub const FORMAT_VERSION: u32 = 2;
+/// objects; version 3 the `zstd-blocks` codec, with `block_crc32c` too.
+pub const FORMAT_VERSION: u32 = 3;
 /// The oldest manifest format version this build reads (every one up to [`FORMAT_VERSION`]).
 pub const FORMAT_VERSION_OLDEST_READ: u32 = 1;
-/// The bytes each checksum of a raw object's `block_crc32c` covers (the last block may be
+/// The decoded bytes each checksum of an object's `block_crc32c` covers (the last block may be
 /// shorter): the unit a ranged read fetches and checks, so a restore that needs part of a
 /// chunk reads at most one block more than it needs at each end of each range.
 pub const CHECK_BLOCK_BYTES: u64 = 256 * 1024;
@@ -272,9 +276,10 @@ pub struct ObjectEntry {
     pub codec: Codec,
     pub raw_bytes: u64,
     pub raw_crc32c: u32,
-    /// Raw objects only (format 2): the crc32c of each [`CHECK_BLOCK_BYTES`] of the object in
-    /// order, so that part of it can be read and checked without reading all of it. Empty for
-    /// compressed objects and in format 1.
+    /// Raw (format 2 and on) and `zstd-blocks` objects: the crc32c of each
+    /// [`CHECK_BLOCK_BYTES`] of the decoded object in order, so that part of it can be read and
+    /// checked without reading all of it. Empty for the compressed codecs of format 2, and in
+    /// format 1.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub block_crc32c: Vec<u32>,
 }
@@ -490,11 +495,18 @@ pub fn validate_content(
                 o.key
             ));
         }
+        if matches!(o.codec, Codec::ZstdBlocks { .. }) && o.block_crc32c.is_empty() {
+            return Err(format!(
+                "object {}: zstd-blocks without block checksums",
+                o.key
+            ));
+        }
         if !o.block_crc32c.is_empty() {
-            if o.codec != Codec::Raw {
+            if !matches!(o.codec, Codec::Raw | Codec::ZstdBlocks { .. }) {
                 return Err(format!(
-                    "object {}: block checksums on a compressed object",
-                    o.key
+                    "object {}: block checksums on a {} object",
+                    o.key,
+                    o.codec.name()
                 ));
             }
             let want = o.raw_bytes.div_ceil(CHECK_BLOCK_BYTES);
@@ -756,8 +768,8 @@ mod tests {
 
     #[test]
     fn unknown_version_is_rejected_before_the_schema() {
-        let e = Manifest::parse(br#"{"format_version": 3, "whatever": 1}"#, 1).unwrap_err();
-        assert_eq!(e, ParseError::UnsupportedVersion(3));
+        let e = Manifest::parse(br#"{"format_version": 4, "whatever": 1}"#, 1).unwrap_err();
+        assert_eq!(e, ParseError::UnsupportedVersion(4));
         for garbled in [
             &b"{"[..],
             b"null",

@@ -5,7 +5,8 @@
 //! - [`alloc`]: the allocator setting the binaries make at start (freed buffers go back).
 //! - [`format`](mod@format): the on-bucket format (key layout, manifest schema v1, commit rule). Start here.
 //! - [`header`]: safetensors header reading and writing, with limits.
-//! - [`codec`]: per-chunk compression (`raw`, `zstd`, `zstd-planes`).
+//! - [`codec`]: per-chunk compression (`raw`, `zstd-blocks`; `zstd` and `zstd-planes` of format 2
+//!   are still read).
 //! - [`store`]: [`Store`], a URL-addressed location with retries, deadlines, cancellation.
 //! - [`save`]: streaming save of a writer's part, and [`Store::commit`].
 //!   Its private submodules: `save/input.rs` (directory walk, headers, chunk plan),

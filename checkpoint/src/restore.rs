@@ -9,20 +9,24 @@
 //!
 //! Reads are per chunk: a rank fetches only the chunks that hold bytes it needs, several at a time
 //! (`concurrency`). A chunk on a remote store comes as one GET whose body is decoded as it arrives
-//! (a body that breaks off is resumed from where it stopped). A raw chunk of which a rank needs
-//! only part (a slice of row-sharded state re-cut for another world size) is read only in the
-//! 256 KiB blocks that hold that part (`ranged`: one ranged GET per run of blocks, or `pread`s),
-//! each checked against its own checksum (`block_crc32c`, format 2); a compressed chunk, or one
-//! written by format 1, is read whole. No decoded chunk is assembled in memory: its bytes go
-//! into the output a block of 256 KiB at a time, each block checksummed on the way while still in cache, and every chunk's
-//! length and stored and decoded checksums are checked before the output that holds its bytes is
-//! renamed into place. A raw chunk on a local directory streams from its file, so it is read once,
-//! written once and never held. A raw or `zstd` chunk from a remote store is never held either:
-//! at most 16 pieces of its body (as the HTTP client hands them over) wait for its decoder. A
+//! (a body that breaks off is resumed from where it stopped). A chunk of which a rank needs only
+//! part (a slice of row-sharded state re-cut for another world size) is read only in the blocks
+//! of 256 KiB of decoded bytes that hold that part (`ranged`: one ranged GET per run of blocks,
+//! or `pread`s): a raw chunk's blocks as they are, a `zstd-blocks` chunk's each from its own
+//! stored bytes, decoded alone. Each block is checked against its own checksum
+//! (`block_crc32c`) before a byte of it is written. A chunk written by format 1, or compressed
+//! by format 2 (`zstd`, `zstd-planes`), is read whole. No decoded chunk is assembled in memory:
+//! its bytes go into the output a block of 256 KiB at a time, each block checksummed on the way
+//! while still in cache, and every chunk's length and stored and decoded checksums are checked
+//! before the output that holds its bytes is renamed into place. A raw chunk on a local
+//! directory streams from its file, so it is read once, written once and never held. A raw,
+//! `zstd-blocks` or `zstd` chunk from a remote store is never held either: at most 16 pieces of
+//! its body (as the HTTP client hands them over) and one block wait for its decoder. A
 //! `zstd-planes` chunk holds its planes (the size of the chunk) until the last one is in. Memory
-//! is bounded by `concurrency × (largest chunk + 16 pieces)` for byte-plane chunks, `concurrency ×
-//! 16 pieces` for other remote chunks, and `concurrency × 256 KiB` for raw chunks on a local
-//! directory; a compressed chunk on a local directory is read whole first.
+//! is bounded by `concurrency × (largest chunk + 16 pieces)` for byte-plane chunks of format 2,
+//! `concurrency × (16 pieces + 3 blocks)` for other remote chunks, and `concurrency × 256 KiB`
+//! for raw chunks on a local directory; a compressed chunk on a local directory is read whole
+//! first.
 
 mod ranged;
 mod read;

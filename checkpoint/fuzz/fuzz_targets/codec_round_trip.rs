@@ -1,11 +1,16 @@
 //! Structured round trip: every input encodes and decodes back to itself with every plane
-//! width, whole and in blocks from stored bytes that arrive in pieces of any size (with the
-//! blocks' checksum that of the input); decoding arbitrary bytes under an arbitrary codec,
-//! whole or in pieces and blocks, never panics, and where both succeed they agree.
+//! width, by this build's encoder and format 2's, whole and in blocks from stored bytes that
+//! arrive in pieces of any size (with the blocks' checksum that of the input), and each
+//! `zstd-blocks` block alone from its stored bytes; decoding arbitrary bytes under an
+//! arbitrary codec, whole or in pieces and blocks or one `zstd-blocks` block, never panics,
+//! and where both succeed they agree.
 #![no_main]
 
 use arbitrary::Arbitrary;
-use checkpoint::codec::{Codec, PlaneEntry, decode, decode_blocks, encode};
+use checkpoint::codec::{
+    BlockDecoder, Codec, PlaneEntry, block_raw_range, decode, decode_blocks, encode,
+    encode_format2,
+};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Arbitrary, Debug)]
@@ -22,17 +27,39 @@ struct Input {
 
 fuzz_target!(|i: Input| {
     let width = [None, Some(2), Some(4), Some(8), Some(i.width)][usize::from(i.width % 5)];
-    let (stored, codec) = encode(&i.data, width, i.compress);
-    assert_eq!(decode(&stored, &codec, i.data.len() as u64).unwrap(), i.data);
     let block = 1 + usize::from(i.raw_bytes % 512);
     let piece = 1 + usize::from(i.piece);
-    let (got, crc) = blocks(&stored, &codec, i.data.len() as u64, block, piece).unwrap();
-    assert_eq!(got, i.data);
-    assert_eq!(crc, crc32c::crc32c(&i.data));
+    let n = i.data.len() as u64;
+    for enc in [encode, encode_format2] {
+        let (stored, codec) = enc(&i.data, width, i.compress);
+        assert_eq!(decode(&stored, &codec, n).unwrap(), i.data);
+        let (got, crc) = blocks(&stored, &codec, n, block, piece).unwrap();
+        assert_eq!(got, i.data);
+        assert_eq!(crc, crc32c::crc32c(&i.data));
+        if let Codec::ZstdBlocks { width, .. } = &codec {
+            let mut dec = BlockDecoder::new(*width).unwrap();
+            for (b, (s0, s1)) in codec.stored_blocks(n).unwrap().into_iter().enumerate() {
+                let (r0, r1) = block_raw_range(n, b as u64);
+                let got = dec.decode(&stored[s0 as usize..s1 as usize], (r1 - r0) as usize);
+                assert_eq!(got.unwrap(), &i.data[r0 as usize..r1 as usize]);
+            }
+        }
+    }
 
-    let codec = match i.kind % 3 {
+    let lens = || i.planes.iter().map(|(_, n)| u64::from(*n));
+    let raw_bytes = if i.kind % 4 == 3 {
+        // Up to three blocks of `zstd-blocks`.
+        u64::from(i.raw_bytes) * 12
+    } else {
+        u64::from(i.raw_bytes)
+    };
+    let codec = match i.kind % 4 {
         0 => Codec::Raw,
         1 => Codec::Zstd,
+        3 => Codec::ZstdBlocks {
+            width: i.width,
+            blocks: lens().collect(),
+        },
         _ => Codec::ZstdPlanes {
             width: i.width,
             planes: i
@@ -42,10 +69,16 @@ fuzz_target!(|i: Input| {
                 .collect(),
         },
     };
-    let whole = decode(&i.garbage, &codec, u64::from(i.raw_bytes));
-    let streamed = blocks(&i.garbage, &codec, u64::from(i.raw_bytes), block, piece);
+    let whole = decode(&i.garbage, &codec, raw_bytes);
+    let streamed = blocks(&i.garbage, &codec, raw_bytes, block, piece);
     if let (Ok(a), Ok((b, _))) = (whole, streamed) {
         assert_eq!(a, b);
+    }
+    // One block of arbitrary stored bytes, as a ranged read decodes it before its checksum.
+    if let Ok(mut dec) = BlockDecoder::new(i.width) {
+        if let Ok(got) = dec.decode(&i.garbage, usize::from(i.raw_bytes)) {
+            assert_eq!(got.len(), usize::from(i.raw_bytes));
+        }
     }
 });
 

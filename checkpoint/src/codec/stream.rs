@@ -10,10 +10,12 @@
 //!   raw planes and the tail are kept as the pieces that brought them (no copy). The elements are
 //!   put back together only when the last plane is in, a block at a time. So memory holds the
 //!   chunk's planes, as a whole-chunk decode would, and never the stored bytes twice.
+//! - `zstd-blocks`: each block is decoded as soon as its stored bytes are in, so memory holds
+//!   one block's stored and decoded bytes.
 
 use bytes::Bytes;
 
-use super::{BlocksError, Codec, gather_planes};
+use super::{BlockDecoder, BlocksError, Codec, block_raw_range, gather_planes};
 
 type Zstd = zstd::stream::raw::Decoder<'static>;
 
@@ -48,6 +50,15 @@ enum State {
         dec: Option<Box<Zstd>>,
         planes: Vec<Plane>,
         tail: Vec<Bytes>,
+    },
+    Blocks {
+        /// The stored length of each block.
+        sizes: Vec<u64>,
+        /// The block whose stored bytes come next.
+        cur: usize,
+        /// Its stored bytes that have arrived, when they came in more than one piece.
+        held: Vec<u8>,
+        dec: Box<BlockDecoder>,
     },
 }
 
@@ -191,6 +202,12 @@ impl ChunkDecoder {
                 Self::enter_span(&mut s, 0)?;
                 s
             }
+            Codec::ZstdBlocks { width, blocks } => State::Blocks {
+                sizes: blocks.clone(),
+                cur: 0,
+                held: Vec::new(),
+                dec: Box::new(BlockDecoder::new(*width)?),
+            },
         };
         Ok(Self {
             raw_len,
@@ -266,6 +283,40 @@ impl ChunkDecoder {
                 }
             }
             State::Zstd { .. } => self.feed_zstd(&piece, sink)?,
+            State::Blocks {
+                sizes,
+                cur,
+                held,
+                dec,
+            } => {
+                while !piece.is_empty() {
+                    let Some(&size) = sizes.get(*cur) else {
+                        return Err(BlocksError::Codec(
+                            "stored bytes past the last block".into(),
+                        ));
+                    };
+                    let need = size as usize - held.len();
+                    let part = piece.split_to(need.min(piece.len()));
+                    let stored: &[u8] = if held.is_empty() && part.len() == need {
+                        &part
+                    } else {
+                        held.extend_from_slice(&part);
+                        if held.len() < size as usize {
+                            continue;
+                        }
+                        held
+                    };
+                    let (a, b) = block_raw_range(self.raw_len as u64, *cur as u64);
+                    let raw = dec
+                        .decode(stored, (b - a) as usize)
+                        .map_err(|e| BlocksError::Codec(format!("block {cur}: {e}")))?;
+                    for out in raw.chunks(self.block_bytes) {
+                        emit(&mut self.raw_crc, &mut self.emitted, sink, out)?;
+                    }
+                    held.clear();
+                    *cur += 1;
+                }
+            }
             State::Planes { .. } => {
                 while !piece.is_empty() {
                     let State::Planes {
@@ -421,6 +472,14 @@ impl ChunkDecoder {
         }
         match &mut self.state {
             State::Raw => self.raw_crc = self.stored_crc,
+            State::Blocks { sizes, cur, .. } => {
+                if *cur != sizes.len() {
+                    return Err(BlocksError::Codec(format!(
+                        "{cur} of {} blocks arrived",
+                        sizes.len()
+                    )));
+                }
+            }
             State::Zstd {
                 buf,
                 filled,

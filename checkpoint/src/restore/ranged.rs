@@ -1,8 +1,8 @@
-//! Reading part of a raw chunk: only the blocks of its `block_crc32c` that hold bytes a read
-//! needs, each checked against its checksum before a byte of it goes to the output. A restore
-//! that re-cuts row-sharded state for another world size needs a slice of each tensor, not
-//! whole chunks; this reads at most one block ([`CHECK_BLOCK_BYTES`]) more than needed at each
-//! end of each range.
+//! Reading part of a chunk: only the blocks of its `block_crc32c` that hold bytes a read
+//! needs, each decoded (a `zstd-blocks` chunk) and checked against its checksum before a byte
+//! of it goes to the output. A restore that re-cuts row-sharded state for another world size
+//! needs a slice of each tensor, not whole chunks; this reads at most one block
+//! ([`CHECK_BLOCK_BYTES`] of decoded bytes) more than needed at each end of each range.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,16 +12,16 @@ use object_store::GetOptions;
 use tokio_util::sync::CancellationToken;
 
 use super::write::CopyOp;
-use crate::codec::Codec;
+use crate::codec::{BlockDecoder, Codec, block_raw_range};
 use crate::error::{Error, Result};
 use crate::format::{CHECK_BLOCK_BYTES, Manifest, ObjectEntry};
 use crate::store::Store;
 
 /// The runs `[first, end)` of block indexes of object `o` that hold the bytes `ops` take, in
 /// order and merged; `None` when the whole object is to be read: it has no block checksums
-/// (compressed, or written by format 1), or `ops` need a byte of every block.
+/// (a compressed codec of format 2, or format 1), or `ops` need a byte of every block.
 pub(super) fn needed_blocks(o: &ObjectEntry, ops: &[CopyOp]) -> Option<Vec<(u64, u64)>> {
-    if o.codec != Codec::Raw || o.block_crc32c.is_empty() {
+    if !matches!(o.codec, Codec::Raw | Codec::ZstdBlocks { .. }) || o.block_crc32c.is_empty() {
         return None;
     }
     let blocks = o.block_crc32c.len() as u64;
@@ -48,34 +48,77 @@ pub(super) fn needed_blocks(o: &ObjectEntry, ops: &[CopyOp]) -> Option<Vec<(u64,
     (covered < blocks).then_some(runs)
 }
 
-/// Bytes `[start, end)` of block `block` of object `o`.
-fn block_bytes(o: &ObjectEntry, block: u64) -> (u64, u64) {
-    let start = block * CHECK_BLOCK_BYTES;
-    (start, (start + CHECK_BLOCK_BYTES).min(o.stored_bytes))
+/// The blocks of one object read in part: where each block's stored bytes lie, and what
+/// turns them into its decoded bytes.
+struct Blocks {
+    o: ObjectEntry,
+    /// The stored bytes `[start, end)` of each block.
+    stored: Vec<(u64, u64)>,
+    /// `None` for a raw object, whose stored bytes are its decoded bytes.
+    dec: Option<BlockDecoder>,
 }
 
-impl Store {
-    fn check_block(&self, step: u64, o: &ObjectEntry, block: u64, bytes: &[u8]) -> Result<()> {
-        let want = o.block_crc32c[block as usize];
+impl Blocks {
+    fn new(store: &Store, step: u64, o: &ObjectEntry) -> Result<Self> {
+        let bad = |reason: String| store.corrupt(step, &o.key, reason);
+        o.codec.check(o.raw_bytes, o.stored_bytes).map_err(bad)?;
+        let stored = o
+            .codec
+            .stored_blocks(o.raw_bytes)
+            .filter(|s| s.len() == o.block_crc32c.len())
+            .ok_or_else(|| bad("not readable in blocks".into()))?;
+        let dec = match &o.codec {
+            Codec::ZstdBlocks { width, .. } => Some(BlockDecoder::new(*width).map_err(bad)?),
+            _ => None,
+        };
+        Ok(Self {
+            o: o.clone(),
+            stored,
+            dec,
+        })
+    }
+
+    /// Decodes block `block` from its stored bytes and checks it against its checksum:
+    /// `(offset in the decoded object, decoded bytes)`.
+    fn open<'a>(
+        &'a mut self,
+        store: &Store,
+        step: u64,
+        block: u64,
+        stored: &'a [u8],
+    ) -> Result<(u64, &'a [u8])> {
+        let (a, b) = block_raw_range(self.o.raw_bytes, block);
+        let bytes = match &mut self.dec {
+            None => stored,
+            Some(dec) => dec.decode(stored, (b - a) as usize).map_err(|e| {
+                store.corrupt(
+                    step,
+                    &self.o.key,
+                    format!("block {block} (bytes {a}..{b}): {e}"),
+                )
+            })?,
+        };
+        let want = self.o.block_crc32c[block as usize];
         let got = crc32c::crc32c(bytes);
         if got != want {
-            let (a, b) = block_bytes(o, block);
-            return Err(self.corrupt(
+            return Err(store.corrupt(
                 step,
-                &o.key,
+                &self.o.key,
                 format!(
                     "block {block} (bytes {a}..{b}): crc32c {got:08x}, manifest says {want:08x}"
                 ),
             ));
         }
-        Ok(())
+        Ok((a, bytes))
     }
+}
 
-    /// Reads the blocks `runs` ([`needed_blocks`]) of raw object `idx` and hands each to
-    /// `sink(offset in the object, bytes)` once its checksum matched, in order. On a local
-    /// directory each block is read from the file with `pread`; on a remote store each run is
-    /// one ranged GET, resumed from its first unchecked block when a transient error cuts it,
-    /// and only of the version its first response came from.
+impl Store {
+    /// Reads the blocks `runs` ([`needed_blocks`]) of object `idx` and hands each to
+    /// `sink(offset in the decoded object, bytes)` once it is decoded and its checksum
+    /// matched, in order. On a local directory each block is read from the file with `pread`;
+    /// on a remote store each run is one ranged GET, resumed from its first unchecked block
+    /// when a transient error cuts it, and only of the version its first response came from.
     pub(super) async fn read_blocks<S>(
         &self,
         m: &Manifest,
@@ -87,21 +130,20 @@ impl Store {
     where
         S: FnMut(u64, &[u8]) -> Result<()> + Send + 'static,
     {
-        let o = m.objects[idx].clone();
         let step = m.step;
+        let blocks = Blocks::new(self, step, &m.objects[idx])?;
         if self.has_local_root() {
             let (store, cancel) = (self.clone(), cancel.clone());
             return tokio::task::spawn_blocking(move || {
-                store.read_local_blocks(step, &o, &runs, &cancel, sink)
+                store.read_local_blocks(step, blocks, &runs, &cancel, sink)
             })
             .await
             .map_err(|e| Error::task_failed("read", e))?;
         }
-        let sink = Mutex::new(sink);
+        let state = Mutex::new((blocks, sink));
         let e_tag = Mutex::new(None::<String>);
         for run in runs {
-            self.get_blocks(step, &o, run, &e_tag, cancel, &sink)
-                .await?;
+            self.get_blocks(step, run, &e_tag, cancel, &state).await?;
         }
         Ok(())
     }
@@ -109,7 +151,7 @@ impl Store {
     fn read_local_blocks<S>(
         &self,
         step: u64,
-        o: &ObjectEntry,
+        mut blocks: Blocks,
         runs: &[(u64, u64)],
         cancel: &CancellationToken,
         mut sink: S,
@@ -117,8 +159,10 @@ impl Store {
     where
         S: FnMut(u64, &[u8]) -> Result<()>,
     {
-        let f = self.open_local_raw(step, o)?;
-        let mut buf = vec![0u8; CHECK_BLOCK_BYTES.min(o.stored_bytes) as usize];
+        let o = blocks.o.clone();
+        let f = self.open_local_raw(step, &o)?;
+        let longest = blocks.stored.iter().map(|(a, b)| b - a).max().unwrap_or(0);
+        let mut buf = vec![0u8; usize::try_from(longest).unwrap_or(0)];
         let mut read = 0u64;
         let r = (|| {
             for &(first, end) in runs {
@@ -128,12 +172,12 @@ impl Store {
                             op: format!("get {} on {}", o.key, self.url()),
                         });
                     }
-                    let (a, b) = block_bytes(o, block);
+                    let (a, b) = blocks.stored[block as usize];
                     let bytes = &mut buf[..(b - a) as usize];
-                    self.read_local_at(step, o, &f, bytes, a)?;
+                    self.read_local_at(step, &o, &f, bytes, a)?;
                     read += b - a;
-                    self.check_block(step, o, block, bytes)?;
-                    sink(a, bytes)?;
+                    let (at, decoded) = blocks.open(self, step, block, bytes)?;
+                    sink(at, decoded)?;
                 }
             }
             Ok(())
@@ -142,30 +186,34 @@ impl Store {
         r
     }
 
-    /// One ranged GET of the blocks `[first, end)` of remote object `o`, resumed after a
-    /// transient error from the first block not yet handed to `sink`.
+    /// One ranged GET of the blocks `[first, end)` of a remote object, resumed after a
+    /// transient error from the first block not yet handed to the sink.
     async fn get_blocks<S>(
         &self,
         step: u64,
-        o: &ObjectEntry,
         (first, end): (u64, u64),
         e_tag: &Mutex<Option<String>>,
         cancel: &CancellationToken,
-        sink: &Mutex<S>,
+        state: &Mutex<(Blocks, S)>,
     ) -> Result<()>
     where
         S: FnMut(u64, &[u8]) -> Result<()>,
     {
+        let (o, stored) = {
+            let st = state.lock().unwrap_or_else(|e| e.into_inner());
+            (st.0.o.clone(), st.0.stored.clone())
+        };
         let path = self.path(&o.key);
-        let hi = block_bytes(o, end - 1).1;
-        // The first byte not yet checked and handed over: always the start of a block.
-        let next = AtomicU64::new(block_bytes(o, first).0);
-        let (path, next) = (&path, &next);
+        let hi = stored[(end - 1) as usize].1;
+        // The first block not yet checked and handed over.
+        let next = AtomicU64::new(first);
+        let (path, next, o, stored) = (&path, &next, &o, &stored);
         self.retry("get", &o.key, cancel, || async move {
-            let from = next.load(Ordering::Relaxed);
-            if from >= hi {
+            let mut block = next.load(Ordering::Relaxed);
+            if block >= end {
                 return Ok(());
             }
+            let from = stored[block as usize].0;
             let opts = GetOptions {
                 range: Some((from..hi).into()),
                 if_match: e_tag.lock().unwrap_or_else(|e| e.into_inner()).clone(),
@@ -180,7 +228,6 @@ impl Store {
             }
             let mut pieces = r.into_stream();
             let mut buf: Vec<u8> = Vec::new();
-            let mut pos = from;
             let mut got = 0u64;
             // Every way out of the body goes through the count of bytes read.
             let fed = 'body: loop {
@@ -191,32 +238,36 @@ impl Store {
                 };
                 got += piece.len() as u64;
                 while !piece.is_empty() {
-                    if pos >= hi {
+                    if block >= end {
                         // More than the range asked for.
                         break 'body Err(self.truncated(step, o, hi + piece.len() as u64));
                     }
-                    let block = pos / CHECK_BLOCK_BYTES;
-                    let (_, b) = block_bytes(o, block);
-                    let want = (b - pos) as usize;
+                    let (a, b) = stored[block as usize];
+                    let want = (b - a) as usize;
                     let take = (want - buf.len()).min(piece.len());
                     buf.extend_from_slice(&piece.split_to(take));
                     if buf.len() == want {
-                        let handed = self.check_block(step, o, block, &buf).and_then(|()| {
-                            (sink.lock().unwrap_or_else(|e| e.into_inner()))(pos, &buf)
-                        });
+                        let handed = {
+                            let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+                            let (blocks, sink) = &mut *st;
+                            blocks
+                                .open(self, step, block, &buf)
+                                .and_then(|(at, bytes)| sink(at, bytes))
+                        };
                         if handed.is_err() {
                             break 'body handed;
                         }
-                        pos = b;
-                        next.store(pos, Ordering::Relaxed);
+                        block += 1;
+                        next.store(block, Ordering::Relaxed);
                         buf.clear();
                     }
                 }
             };
             self.count_read(got);
             fed?;
-            if pos != hi {
-                return Err(self.truncated(step, o, pos + buf.len() as u64));
+            if block != end {
+                let pos = stored[block as usize].0 + buf.len() as u64;
+                return Err(self.truncated(step, o, pos));
             }
             Ok(())
         })

@@ -155,17 +155,20 @@ impl Store {
                             let raw = f
                                 .src
                                 .read_at(f.data_start + plan.start, plan.len as usize)?;
-                            let raw_crc32c = crc32c::crc32c(&raw);
+                            // The block checksums and the whole one, in one pass.
+                            let mut crcs = format::BlockCrcs::default();
+                            crcs.push(&raw);
+                            let (raw_crc32c, block_crc32c) = crcs.finish();
                             let raw_bytes = raw.len() as u64;
                             let (stored, codec) = if compress {
                                 codec::encode(&raw, plan.width, true)
                             } else {
                                 (raw, codec::Codec::Raw)
                             };
-                            let (stored_crc32c, block_crc32c) = if codec == codec::Codec::Raw {
-                                (raw_crc32c, format::BlockCrcs::of(&stored))
+                            let stored_crc32c = if codec == codec::Codec::Raw {
+                                raw_crc32c
                             } else {
-                                (crc32c::crc32c(&stored), Vec::new())
+                                crc32c::crc32c(&stored)
                             };
                             let entry = ObjectEntry {
                                 key,

@@ -192,7 +192,7 @@ async fn forged(edit: impl FnOnce(&mut Value), want: &str) {
 
 #[tokio::test]
 async fn unknown_format_version_is_rejected() {
-    forged(|m| m["format_version"] = 3.into(), "format version 3").await;
+    forged(|m| m["format_version"] = 4.into(), "format version 4").await;
 }
 
 #[tokio::test]
@@ -203,8 +203,32 @@ async fn forged_object_length_is_rejected() {
             o["raw_bytes"] = (o["raw_bytes"].as_u64().unwrap() + 1).into();
             o["stored_bytes"] = (o["stored_bytes"].as_u64().unwrap() + 1).into();
             o["codec"] = serde_json::json!({"name": "zstd"});
+            o.as_object_mut().unwrap().remove("block_crc32c");
         },
         "files use",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn forged_compressed_chunk_block_checksums_are_rejected() {
+    // A compressed chunk of format 3 without its block checksums, and one with a checksum
+    // too many.
+    forged(
+        |m| {
+            let o = m["objects"][0].as_object_mut().unwrap();
+            assert_eq!(o["codec"]["name"], "zstd-blocks");
+            o.remove("block_crc32c");
+        },
+        "without block checksums",
+    )
+    .await;
+    forged(
+        |m| {
+            let crcs = m["objects"][0]["block_crc32c"].as_array_mut().unwrap();
+            crcs.push(7.into());
+        },
+        "block checksums for",
     )
     .await;
 }

@@ -567,3 +567,120 @@ async fn a_partly_needed_chunk_is_read_in_checked_blocks_resumed_at_a_block() {
         "{text}"
     );
 }
+
+/// The same for compressed chunks (`zstd-blocks`, what a remote store gets by default): a rank
+/// that needs part of a chunk reads only the stored bytes of the blocks that hold it, decodes
+/// each block alone and checks it before a byte of it goes out. A body that breaks off resumes
+/// at the stored start of the first block not yet checked; a flipped bit in a block the rank
+/// reads fails the step with the block named.
+#[tokio::test]
+async fn a_partly_needed_compressed_chunk_is_read_in_decoded_checked_blocks() {
+    use checkpoint::codec::Codec;
+    use checkpoint::format::CHECK_BLOCK_BYTES;
+    use checkpoint::restore::{RESTORE_FILE, rows_for_rank};
+
+    let counting = Arc::new(Unreliable::with_probability(0, 0.0));
+    let store = Store::from_object_store(counting.clone(), "ck", "counting://ck");
+    let w = common::tensor("w", "F32", &[3000, 1000], 3);
+    let emb = common::tensor("emb", "F32", &[1500, 2000], 4);
+    let opts = checkpoint::SaveOptions {
+        chunk_bytes_max: 6 * 1024 * 1024,
+        compress: true,
+        ..Default::default()
+    };
+    common::save_rows(&store, 1, 2, &[w.clone(), emb.clone()], &[], &opts).await;
+    let m = store.read_manifest(1, &cancel()).await.unwrap();
+    assert!(
+        m.objects
+            .iter()
+            .all(|o| matches!(o.codec, Codec::ZstdBlocks { .. })
+                && o.block_crc32c.len() as u64 == o.raw_bytes.div_ceil(CHECK_BLOCK_BYTES)),
+        "every chunk compressed in blocks"
+    );
+    let stored_total: u64 = m.objects.iter().map(|o| o.stored_bytes).sum();
+    let one_at_a_time = ReadOptions {
+        concurrency: 1,
+        ..Default::default()
+    };
+    let one_at_a_time = &one_at_a_time;
+    let restore = |rank: u32| {
+        let store = store.clone();
+        async move {
+            let dir = tempfile::tempdir().unwrap();
+            let r = store
+                .restore(Some(1), rank, 3, dir.path(), one_at_a_time, &cancel())
+                .await;
+            r.map(|_| std::fs::read(dir.path().join(RESTORE_FILE)).unwrap())
+        }
+    };
+    let check = |rank: u32, got: &[u8]| {
+        let st = safetensors::SafeTensors::deserialize(got).unwrap();
+        for t in [&w, &emb] {
+            let (lo, hi) = rows_for_rank(t.shape[0] as u64, rank, 3);
+            assert_eq!(
+                st.tensor(&t.name).unwrap().data(),
+                &common::rows(t, lo as usize, hi as usize)[..],
+                "{} rows [{lo}, {hi}) of rank {rank} of 3",
+                t.name
+            );
+        }
+    };
+    for rank in 0..3 {
+        let before = store.read_stats().bytes;
+        check(rank, &restore(rank).await.unwrap());
+        let read = store.read_stats().bytes - before;
+        // A third of the stored bytes, and at most a block more at each end of each range
+        // (a stored block is never larger than its decoded bytes and a small header).
+        assert!(
+            read <= stored_total / 3 + 8 * (CHECK_BLOCK_BYTES + 64) + 64 * 1024,
+            "rank {rank} read {read} of {stored_total} stored bytes"
+        );
+    }
+
+    // Ranged GETs start where blocks are stored; a cut one resumes at a later block's start.
+    let first = m
+        .objects
+        .iter()
+        .find(|o| o.key.contains("/rank-0-"))
+        .unwrap();
+    let starts: Vec<u64> = first
+        .codec
+        .stored_blocks(first.raw_bytes)
+        .unwrap()
+        .iter()
+        .map(|r| r.0)
+        .collect();
+    let key = Path::from(format!("ck/{}", first.key));
+    counting.range_starts.lock().unwrap().clear();
+    check(1, &restore(1).await.unwrap());
+    let clean = std::mem::take(&mut *counting.range_starts.lock().unwrap());
+    *counting.cut_next_get.lock().unwrap() = Some((key.clone(), 3 * CHECK_BLOCK_BYTES / 2));
+    check(1, &restore(1).await.unwrap());
+    let cut = counting.range_starts.lock().unwrap().clone();
+    assert_eq!(
+        cut.len(),
+        clean.len() + 1,
+        "one GET more: {clean:?} then {cut:?}"
+    );
+    let i = (0..clean.len())
+        .find(|&i| clean[i] != cut[i])
+        .unwrap_or(clean.len());
+    assert!(
+        i > 0 && cut[i] > cut[i - 1] && starts.contains(&cut[i]) && cut[i + 1..] == clean[i..],
+        "the cut GET resumed at a later block's stored start: {clean:?} then {cut:?}"
+    );
+
+    // A flipped bit near the end of the chunk, in a block rank 1 reads.
+    edit_stored(&counting, &key, |b| {
+        let at = b.len() - 10;
+        b[at] ^= 0x10;
+    })
+    .await;
+    let err = restore(1).await.unwrap_err();
+    assert!(err.is_integrity(), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(&first.key) && text.contains("block"),
+        "{text}"
+    );
+}

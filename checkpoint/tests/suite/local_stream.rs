@@ -330,7 +330,7 @@ async fn resharding_reads_the_blocks_of_the_rows_and_format_1_reads_whole_chunks
     let manifest = root.path().join("steps/00000000000000000003/manifest.json");
     let mut m: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
-    assert_eq!(m["format_version"], 2);
+    assert_eq!(m["format_version"], 3);
     m["format_version"] = 1.into();
     for o in m["objects"].as_array_mut().unwrap() {
         o.as_object_mut().unwrap().remove("block_crc32c").unwrap();
