@@ -416,6 +416,10 @@ def bench_restore(a, model, opt, base, disk, moto):
         urls["s3"] = f"s3://{BUCKET}/ckpt"
         run_tool([ckpt, "--json", "--concurrency", "4", "push", os.path.join(staging, "step-1"), urls["s3"],
                   "--step", "1", "--world-size", "2", "--metadata", md], env)
+        # The same step with raw chunks (`--no-compress`).
+        urls["s3-raw"] = f"s3://{BUCKET}/ckpt-raw"
+        run_tool([ckpt, "--json", "--concurrency", "4", "push", os.path.join(staging, "step-1"), urls["s3-raw"],
+                  "--step", "1", "--world-size", "2", "--metadata", md, "--no-compress"], env)
     rm(staging)
     # The same tensors as FSDP-style row shards (each of 2 ranks holds half the rows of every
     # tensor of 2+ rows, declared in __metadata__["elastic.shards"]), for resharded reads.
@@ -438,6 +442,11 @@ def bench_restore(a, model, opt, base, disk, moto):
     urls["sharded"] = f"file://{disk}/ckpt-sharded"
     run_tool([ckpt, "--json", "--concurrency", "4", "push", sharded, urls["sharded"], "--step", "1",
               "--world-size", "2"])
+    if moto is not None:
+        # Compressed, as remote stores get it by default: read in part by decoded blocks.
+        urls["sharded-s3"] = f"s3://{BUCKET}/ckpt-sharded"
+        run_tool([ckpt, "--json", "--concurrency", "4", "push", sharded, urls["sharded-s3"], "--step", "1",
+                  "--world-size", "2"], env)
     rm(sharded)
     dcp_dir = os.path.join(disk, "dcp")
     dcp.save(state_dict(model, opt), checkpoint_id=dcp_dir)
@@ -457,7 +466,7 @@ def bench_restore(a, model, opt, base, disk, moto):
             wipe(model, opt)
             t0 = time.perf_counter()
             _, js = run_tool([store, "restore", urls[kind], os.path.join(dest, "rank-0"), "--rank", "0",
-                              "--world", str(world)], env if kind == "s3" else None)
+                              "--world", str(world)], env if kind.startswith("s3") else None)
             t1 = time.perf_counter()
             er_env(base, 0, world)
             step, _ = er.load(model=model, optimizer=opt, resume_dir=dest)
@@ -495,10 +504,11 @@ def bench_restore(a, model, opt, base, disk, moto):
         check()
         return {"restore_s": dt, "bytes_read": common.io_read_bytes() - r0}
 
-    def m_shard(world):
+    def m_shard(world, kind="sharded"):
         def run():
             dest = os.path.join(base, "restore-sharded")
-            _, js = run_tool([store, "restore", urls["sharded"], dest, "--rank", "0", "--world", str(world)])
+            _, js = run_tool([store, "restore", urls[kind], dest, "--rank", "0", "--world", str(world)],
+                             env if kind == "sharded-s3" else None)
             rm(dest)
             return {"restore_s": js["seconds"], "fetch_s": js["seconds"], "bytes_read": js["bytes_read"],
                     "bytes_needed": js["bytes_needed"], "stored_bytes": js["step_stored_bytes"], "gets": js["gets"]}
@@ -506,7 +516,7 @@ def bench_restore(a, model, opt, base, disk, moto):
 
     def m_raw(kind):
         def run():
-            dt, js = run_tool([store, "raw-get", urls[kind]], env if kind == "s3" else None)
+            dt, js = run_tool([store, "raw-get", urls[kind]], env if kind.startswith("s3") else None)
             return {"restore_s": js["seconds"], "bytes_read": js["bytes"]}
         return run
 
@@ -533,6 +543,10 @@ def bench_restore(a, model, opt, base, disk, moto):
             ("checkpoint restore + elastic_run.load, world 2->2 (s3)", m_er("s3", 2)),
             ("checkpoint restore + elastic_run.load, world 2->3 (s3)", m_er("s3", 3)),
             ("raw object_store get of the step (s3)", m_raw("s3")),
+            ("checkpoint restore + elastic_run.load, world 2->2 (s3, raw chunks)", m_er("s3-raw", 2)),
+            ("raw object_store get of the step (s3, raw chunks)", m_raw("s3-raw")),
+            ("checkpoint restore only, row-sharded state, world 2->2 (s3, compressed)", m_shard(2, "sharded-s3")),
+            ("checkpoint restore only, row-sharded state, world 2->3 (s3, compressed)", m_shard(3, "sharded-s3")),
         ]
     return methods
 

@@ -324,23 +324,30 @@ fn compression_rows() -> Vec<String> {
         let t = Instant::now();
         let plain = zstd::bulk::compress(data, checkpoint::codec::ZSTD_LEVEL).unwrap();
         let plain_s = t.elapsed().as_secs_f64();
-        let t = Instant::now();
-        let (planes, codec) = checkpoint::codec::encode(data, Some(width), true);
-        let planes_s = t.elapsed().as_secs_f64();
-        let t = Instant::now();
-        let back = checkpoint::codec::decode(&planes, &codec, data.len() as u64).unwrap();
-        let dec_s = t.elapsed().as_secs_f64();
-        assert_eq!(back, data);
-        rows.push(format!(
-            "| {name} N(0,0.02), {} MiB | zstd-1: {:.3}x at {:.0} MiB/s | {}: {:.3}x at {:.0} MiB/s (decode {:.0} MiB/s) |",
+        let mut row = format!(
+            "| {name} N(0,0.02), {} MiB | zstd-1: {:.3}x at {:.0} MiB/s |",
             data.len() >> 20,
             data.len() as f64 / plain.len() as f64,
             mib_s(data.len() as u64, plain_s),
-            codec.name(),
-            data.len() as f64 / planes.len() as f64,
-            mib_s(data.len() as u64, planes_s),
-            mib_s(data.len() as u64, dec_s),
-        ));
+        );
+        // This build's encoder (zstd-blocks), then format 2's (zstd-planes), side by side.
+        for encode in [checkpoint::codec::encode, checkpoint::codec::encode_format2] {
+            let t = Instant::now();
+            let (stored, codec) = encode(data, Some(width), true);
+            let enc_s = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            let back = checkpoint::codec::decode(&stored, &codec, data.len() as u64).unwrap();
+            let dec_s = t.elapsed().as_secs_f64();
+            assert_eq!(back, data);
+            row.push_str(&format!(
+                " {}: {:.3}x at {:.0} MiB/s (decode {:.0} MiB/s) |",
+                codec.name(),
+                data.len() as f64 / stored.len() as f64,
+                mib_s(data.len() as u64, enc_s),
+                mib_s(data.len() as u64, dec_s),
+            ));
+        }
+        rows.push(row);
     }
     rows
 }
