@@ -236,27 +236,52 @@ impl Store {
                 *e_tag.lock().unwrap_or_else(|e| e.into_inner()) = r.meta.e_tag.clone();
             }
             let mut pieces = r.into_stream();
-            let mut got = 0u64;
+            // Bytes of this response received, and handed to the decoder.
+            let (mut got, mut sent) = (0u64, 0u64);
+            // Small pieces are gathered into one of at least a block before they are handed
+            // over: one wake-up of the decoder and one write per block, not per piece.
+            let mut pending = bytes::BytesMut::new();
             let fed = loop {
-                let piece = match pieces.next().await {
-                    None => break Ok(true),
-                    Some(Err(e)) => break Err(self.err("get", &o.key, e)),
-                    Some(Ok(p)) => p,
+                let (ready, end) = match pieces.next().await {
+                    Some(Ok(piece)) => {
+                        let n = piece.len() as u64;
+                        let at = from + got;
+                        if n > o.stored_bytes - at {
+                            break Err(self.truncated(m.step, o, at + n));
+                        }
+                        got += n;
+                        if pending.is_empty() && piece.len() >= STREAM_BLOCK_BYTES {
+                            (piece, None)
+                        } else {
+                            pending.extend_from_slice(&piece);
+                            if pending.len() < STREAM_BLOCK_BYTES {
+                                continue;
+                            }
+                            (pending.split().freeze(), None)
+                        }
+                    }
+                    // The body ended or broke off: what arrived goes on first.
+                    None => (pending.split().freeze(), Some(Ok(true))),
+                    Some(Err(e)) => (
+                        pending.split().freeze(),
+                        Some(Err(self.err("get", &o.key, e))),
+                    ),
                 };
-                let n = piece.len() as u64;
-                let at = from + got;
-                if n > o.stored_bytes - at {
-                    break Err(self.truncated(m.step, o, at + n));
+                let n = ready.len() as u64;
+                if n > 0 {
+                    if tx.send(ready).await.is_err() {
+                        break Ok(false);
+                    }
+                    sent += n;
+                    received.store(from + sent, Ordering::Relaxed);
                 }
-                if tx.send(piece).await.is_err() {
-                    break Ok(false);
+                if let Some(end) = end {
+                    break end;
                 }
-                got += n;
-                received.store(at + n, Ordering::Relaxed);
             };
             self.count_read(got);
             let fed = fed?;
-            let end = from + got;
+            let end = from + sent;
             if fed && end != o.stored_bytes {
                 return Err(self.truncated(m.step, o, end));
             }
