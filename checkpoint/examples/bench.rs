@@ -361,7 +361,9 @@ async fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).is_some_and(|a| a == "codec") {
         // Compression rows only: `bench codec`.
-        println!("| data | plain zstd | byte planes |\n|---|---|---|");
+        println!(
+            "| data | plain zstd | byte planes in blocks (written) | byte planes, whole chunk (format 2) |\n|---|---|---|---|"
+        );
         compression_rows().iter().for_each(|r| println!("{r}"));
         return;
     }
