@@ -457,6 +457,99 @@ async fn a_remote_chunk_is_one_get_resumed_where_it_broke_off_and_truncation_is_
     assert!(report.bad[0].1.contains("truncated"), "{}", report.bad[0].1);
 }
 
+/// Two writers' halves of the rows of `w` and `emb` (12 MB of F32 each) saved as step 1 in
+/// chunks of 6 MiB, raw or compressed, through `counting`.
+async fn two_writers_rows(
+    counting: &Arc<Unreliable>,
+    compress: bool,
+    seed: u64,
+) -> (Store, [common::T; 2], checkpoint::format::Manifest) {
+    let store = Store::from_object_store(counting.clone(), "ck", "counting://ck");
+    let w = common::tensor("w", "F32", &[3000, 1000], seed);
+    let emb = common::tensor("emb", "F32", &[1500, 2000], seed + 1);
+    let opts = checkpoint::SaveOptions {
+        chunk_bytes_max: 6 * 1024 * 1024,
+        compress,
+        ..Default::default()
+    };
+    common::save_rows(&store, 1, 2, &[w.clone(), emb.clone()], &[], &opts).await;
+    let m = store.read_manifest(1, &cancel()).await.unwrap();
+    (store, [w, emb], m)
+}
+
+/// Step 1 restored for `rank` of 3, one chunk at a time (so the order of the ranged GETs is
+/// the same in every restore): the bytes of the restored file.
+async fn restore_rank_of_3(store: &Store, rank: u32) -> checkpoint::Result<Vec<u8>> {
+    let one_at_a_time = ReadOptions {
+        concurrency: 1,
+        ..Default::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let r = store
+        .restore(Some(1), rank, 3, dir.path(), &one_at_a_time, &cancel())
+        .await;
+    r.map(|_| std::fs::read(dir.path().join(checkpoint::restore::RESTORE_FILE)).unwrap())
+}
+
+/// `got` holds bitwise the rows of `tensors` that `rank` of 3 needs.
+fn check_rows_of_3(rank: u32, got: &[u8], tensors: [&common::T; 2]) {
+    let st = safetensors::SafeTensors::deserialize(got).unwrap();
+    for t in tensors {
+        let (lo, hi) = checkpoint::restore::rows_for_rank(t.shape[0] as u64, rank, 3);
+        assert_eq!(
+            st.tensor(&t.name).unwrap().data(),
+            &common::rows(t, lo as usize, hi as usize)[..],
+            "{} rows [{lo}, {hi}) of rank {rank} of 3",
+            t.name
+        );
+    }
+}
+
+/// The starts of the ranged GETs of rank 1's restore, clean and then with the first GET of
+/// `key` cut a block and a half in (both restores checked bitwise), and the first index at
+/// which they differ.
+async fn starts_clean_and_cut(
+    counting: &Unreliable,
+    store: &Store,
+    key: &Path,
+    tensors: [&common::T; 2],
+) -> (Vec<u64>, Vec<u64>, usize) {
+    use checkpoint::format::CHECK_BLOCK_BYTES;
+    counting.range_starts.lock().unwrap().clear();
+    check_rows_of_3(1, &restore_rank_of_3(store, 1).await.unwrap(), tensors);
+    let clean = std::mem::take(&mut *counting.range_starts.lock().unwrap());
+    *counting.cut_next_get.lock().unwrap() = Some((key.clone(), 3 * CHECK_BLOCK_BYTES / 2));
+    check_rows_of_3(1, &restore_rank_of_3(store, 1).await.unwrap(), tensors);
+    let cut = counting.range_starts.lock().unwrap().clone();
+    let i = (0..clean.len().min(cut.len()))
+        .find(|&i| clean[i] != cut[i])
+        .unwrap_or(clean.len());
+    (clean, cut, i)
+}
+
+/// Flips a bit near the end of `key`, in a block rank 1 reads: rank 1's restore fails as an
+/// integrity error naming the object (`object_key`) and the block. Returns the error's text.
+async fn flipped_bit_fails_rank_1(
+    counting: &Unreliable,
+    store: &Store,
+    key: &Path,
+    object_key: &str,
+) -> String {
+    edit_stored(counting, key, |b| {
+        let at = b.len() - 10;
+        b[at] ^= 0x10;
+    })
+    .await;
+    let err = restore_rank_of_3(store, 1).await.unwrap_err();
+    assert!(err.is_integrity(), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(object_key) && text.contains("block"),
+        "{text}"
+    );
+    text
+}
+
 /// A rank that needs part of a raw chunk (row-sharded state re-cut for another world size)
 /// reads only the 256 KiB blocks that hold it, as one ranged GET per run of blocks. A body that
 /// breaks off is resumed from the first block not yet checked, never before it; what lands is
@@ -465,49 +558,12 @@ async fn a_remote_chunk_is_one_get_resumed_where_it_broke_off_and_truncation_is_
 #[tokio::test]
 async fn a_partly_needed_chunk_is_read_in_checked_blocks_resumed_at_a_block() {
     use checkpoint::format::CHECK_BLOCK_BYTES;
-    use checkpoint::restore::{RESTORE_FILE, rows_for_rank};
 
     let counting = Arc::new(Unreliable::with_probability(0, 0.0));
-    let store = Store::from_object_store(counting.clone(), "ck", "counting://ck");
-    // 2 writers x 12 MB of F32 in raw chunks of 6 MiB.
-    let w = common::tensor("w", "F32", &[3000, 1000], 1);
-    let emb = common::tensor("emb", "F32", &[1500, 2000], 2);
-    let opts = checkpoint::SaveOptions {
-        chunk_bytes_max: 6 * 1024 * 1024,
-        compress: false,
-        ..Default::default()
-    };
-    common::save_rows(&store, 1, 2, &[w.clone(), emb.clone()], &[], &opts).await;
-    let m = store.read_manifest(1, &cancel()).await.unwrap();
+    let (store, [w, emb], m) = two_writers_rows(&counting, false, 1).await;
     assert!(m.objects.iter().all(|o| !o.block_crc32c.is_empty()));
-    // One chunk at a time, so the order of the ranged GETs is the same in every restore.
-    let one_at_a_time = ReadOptions {
-        concurrency: 1,
-        ..Default::default()
-    };
-    let one_at_a_time = &one_at_a_time;
-    let restore = |rank: u32| {
-        let store = store.clone();
-        async move {
-            let dir = tempfile::tempdir().unwrap();
-            let r = store
-                .restore(Some(1), rank, 3, dir.path(), one_at_a_time, &cancel())
-                .await;
-            r.map(|_| std::fs::read(dir.path().join(RESTORE_FILE)).unwrap())
-        }
-    };
-    let check = |rank: u32, got: &[u8]| {
-        let st = safetensors::SafeTensors::deserialize(got).unwrap();
-        for t in [&w, &emb] {
-            let (lo, hi) = rows_for_rank(t.shape[0] as u64, rank, 3);
-            assert_eq!(
-                st.tensor(&t.name).unwrap().data(),
-                &common::rows(t, lo as usize, hi as usize)[..],
-                "{} rows [{lo}, {hi}) of rank {rank} of 3",
-                t.name
-            );
-        }
-    };
+    let restore = |rank: u32| restore_rank_of_3(&store, rank);
+    let check = |rank: u32, got: &[u8]| check_rows_of_3(rank, got, [&w, &emb]);
     let needed = (w.data.len() + emb.data.len()) as u64 / 3;
     for rank in 0..3 {
         let before = store.read_stats().bytes;
@@ -532,19 +588,11 @@ async fn a_partly_needed_chunk_is_read_in_checked_blocks_resumed_at_a_block() {
         .find(|o| o.key.contains("/rank-0-"))
         .unwrap();
     let key = Path::from(format!("ck/{}", first.key));
-    counting.range_starts.lock().unwrap().clear();
-    check(1, &restore(1).await.unwrap());
-    let clean = std::mem::take(&mut *counting.range_starts.lock().unwrap());
-    *counting.cut_next_get.lock().unwrap() = Some((key.clone(), 3 * CHECK_BLOCK_BYTES / 2));
-    check(1, &restore(1).await.unwrap());
-    let cut = counting.range_starts.lock().unwrap().clone();
+    let (clean, cut, i) = starts_clean_and_cut(&counting, &store, &key, [&w, &emb]).await;
     assert!(
         clean.iter().all(|s| s % CHECK_BLOCK_BYTES == 0),
         "ranged GETs start at blocks: {clean:?}"
     );
-    let i = (0..clean.len())
-        .find(|&i| clean[i] != cut[i])
-        .unwrap_or(clean.len());
     assert!(
         i > 0
             && cut.len() == clean.len() + 1
@@ -552,20 +600,8 @@ async fn a_partly_needed_chunk_is_read_in_checked_blocks_resumed_at_a_block() {
             && cut[i + 1..] == clean[i..],
         "one GET resumed a block after the cut one's start: {clean:?} then {cut:?}"
     );
-
-    // A flipped bit in a block rank 1 reads.
-    edit_stored(&counting, &key, |b| {
-        let at = b.len() - 10;
-        b[at] ^= 0x10;
-    })
-    .await;
-    let err = restore(1).await.unwrap_err();
-    assert!(err.is_integrity(), "{err}");
-    let text = err.to_string();
-    assert!(
-        text.contains(&first.key) && text.contains("block") && text.contains("crc32c"),
-        "{text}"
-    );
+    let text = flipped_bit_fails_rank_1(&counting, &store, &key, &first.key).await;
+    assert!(text.contains("crc32c"), "{text}");
 }
 
 /// The same for compressed chunks (`zstd-blocks`, what a remote store gets by default): a rank
@@ -577,19 +613,9 @@ async fn a_partly_needed_chunk_is_read_in_checked_blocks_resumed_at_a_block() {
 async fn a_partly_needed_compressed_chunk_is_read_in_decoded_checked_blocks() {
     use checkpoint::codec::Codec;
     use checkpoint::format::CHECK_BLOCK_BYTES;
-    use checkpoint::restore::{RESTORE_FILE, rows_for_rank};
 
     let counting = Arc::new(Unreliable::with_probability(0, 0.0));
-    let store = Store::from_object_store(counting.clone(), "ck", "counting://ck");
-    let w = common::tensor("w", "F32", &[3000, 1000], 3);
-    let emb = common::tensor("emb", "F32", &[1500, 2000], 4);
-    let opts = checkpoint::SaveOptions {
-        chunk_bytes_max: 6 * 1024 * 1024,
-        compress: true,
-        ..Default::default()
-    };
-    common::save_rows(&store, 1, 2, &[w.clone(), emb.clone()], &[], &opts).await;
-    let m = store.read_manifest(1, &cancel()).await.unwrap();
+    let (store, [w, emb], m) = two_writers_rows(&counting, true, 3).await;
     assert!(
         m.objects
             .iter()
@@ -598,33 +624,8 @@ async fn a_partly_needed_compressed_chunk_is_read_in_decoded_checked_blocks() {
         "every chunk compressed in blocks"
     );
     let stored_total: u64 = m.objects.iter().map(|o| o.stored_bytes).sum();
-    let one_at_a_time = ReadOptions {
-        concurrency: 1,
-        ..Default::default()
-    };
-    let one_at_a_time = &one_at_a_time;
-    let restore = |rank: u32| {
-        let store = store.clone();
-        async move {
-            let dir = tempfile::tempdir().unwrap();
-            let r = store
-                .restore(Some(1), rank, 3, dir.path(), one_at_a_time, &cancel())
-                .await;
-            r.map(|_| std::fs::read(dir.path().join(RESTORE_FILE)).unwrap())
-        }
-    };
-    let check = |rank: u32, got: &[u8]| {
-        let st = safetensors::SafeTensors::deserialize(got).unwrap();
-        for t in [&w, &emb] {
-            let (lo, hi) = rows_for_rank(t.shape[0] as u64, rank, 3);
-            assert_eq!(
-                st.tensor(&t.name).unwrap().data(),
-                &common::rows(t, lo as usize, hi as usize)[..],
-                "{} rows [{lo}, {hi}) of rank {rank} of 3",
-                t.name
-            );
-        }
-    };
+    let restore = |rank: u32| restore_rank_of_3(&store, rank);
+    let check = |rank: u32, got: &[u8]| check_rows_of_3(rank, got, [&w, &emb]);
     for rank in 0..3 {
         let before = store.read_stats().bytes;
         check(rank, &restore(rank).await.unwrap());
@@ -651,36 +652,14 @@ async fn a_partly_needed_compressed_chunk_is_read_in_decoded_checked_blocks() {
         .map(|r| r.0)
         .collect();
     let key = Path::from(format!("ck/{}", first.key));
-    counting.range_starts.lock().unwrap().clear();
-    check(1, &restore(1).await.unwrap());
-    let clean = std::mem::take(&mut *counting.range_starts.lock().unwrap());
-    *counting.cut_next_get.lock().unwrap() = Some((key.clone(), 3 * CHECK_BLOCK_BYTES / 2));
-    check(1, &restore(1).await.unwrap());
-    let cut = counting.range_starts.lock().unwrap().clone();
-    assert_eq!(
-        cut.len(),
-        clean.len() + 1,
-        "one GET more: {clean:?} then {cut:?}"
-    );
-    let i = (0..clean.len())
-        .find(|&i| clean[i] != cut[i])
-        .unwrap_or(clean.len());
+    let (clean, cut, i) = starts_clean_and_cut(&counting, &store, &key, [&w, &emb]).await;
     assert!(
-        i > 0 && cut[i] > cut[i - 1] && starts.contains(&cut[i]) && cut[i + 1..] == clean[i..],
+        i > 0
+            && cut.len() == clean.len() + 1
+            && cut[i] > cut[i - 1]
+            && starts.contains(&cut[i])
+            && cut[i + 1..] == clean[i..],
         "the cut GET resumed at a later block's stored start: {clean:?} then {cut:?}"
     );
-
-    // A flipped bit near the end of the chunk, in a block rank 1 reads.
-    edit_stored(&counting, &key, |b| {
-        let at = b.len() - 10;
-        b[at] ^= 0x10;
-    })
-    .await;
-    let err = restore(1).await.unwrap_err();
-    assert!(err.is_integrity(), "{err}");
-    let text = err.to_string();
-    assert!(
-        text.contains(&first.key) && text.contains("block"),
-        "{text}"
-    );
+    flipped_bit_fails_rank_1(&counting, &store, &key, &first.key).await;
 }
