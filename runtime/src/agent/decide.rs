@@ -20,7 +20,16 @@ pub enum StopWhy {
     Waiting,
     /// Another node marked the job failed.
     JobFailed,
+    /// Another node marked the job finished (its workers reached the target, and the step is
+    /// committed). Workers of the same generation end on their own; the agent stops any that
+    /// have not ended after [`FINISH_GRACE_MS`] (a joiner waiting to heal from a member that
+    /// finished would wait forever).
+    JobFinished,
 }
+
+/// How long workers may go on after another node marked the job finished before the agent
+/// stops them.
+pub const FINISH_GRACE_MS: u64 = 10_000;
 
 /// Whether the running generation `g` must stop now, given what etcd shows. Generations are
 /// ordered by number, never by their leaders' clocks: numbers only grow (`ctl/epoch` keeps
@@ -46,6 +55,13 @@ pub fn must_stop(snap: &Snapshot, g: &Generation) -> Option<StopWhy> {
         .is_some_and(|s| s.outcome == elastic::record::Outcome::Failed)
     {
         return Some(StopWhy::JobFailed);
+    }
+    if snap
+        .job_state
+        .as_ref()
+        .is_some_and(|s| s.outcome == elastic::record::Outcome::Succeeded)
+    {
+        return Some(StopWhy::JobFinished);
     }
     None
 }

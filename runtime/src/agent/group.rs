@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use super::committer::{BETWEEN_GENERATIONS_FLUSH_MS, Committer, give_up_step, tracker_complete};
-use super::decide::{DrainOf, StopWhy, must_stop};
+use super::decide::{DrainOf, FINISH_GRACE_MS, StopWhy, must_stop};
 use super::drain::start_drain;
 use super::membership::{Membership, fenced_metrics, leave};
 use super::{Agent, FLUSH_TIMEOUT_MS};
@@ -110,6 +110,9 @@ impl Agent {
         // A peer's drain that the workers save with and then switch past in place (logged once).
         let mut peer_drain_in_place = false;
         let mut in_place_rx = state.in_place_changes();
+        // Armed when another node marked the job finished: the workers are stopped when it
+        // fires, unless they ended first.
+        let mut finish_stop: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
         let outcome = loop {
             tokio::select! {
                 out = &mut sup => break out.context("supervisor task")?,
@@ -240,6 +243,15 @@ impl Agent {
                     stop_why = Some(StopWhy::NewGeneration);
                     let _ = cmd_tx.send(Command::Stop).await;
                 }
+                () = async { finish_stop.as_mut().expect("guarded").await }, if finish_stop.is_some() && stop_why.is_none() => {
+                    finish_stop = None;
+                    if switching.take().is_some() {
+                        state.withdraw_offer();
+                    }
+                    tracing::warn!(grace_ms = FINISH_GRACE_MS, "the job is finished and the workers did not end; stopping them");
+                    stop_why = Some(StopWhy::JobFinished);
+                    let _ = cmd_tx.send(Command::Stop).await;
+                }
                 Ok(()) = async { snap_rx.as_mut().expect("guarded").changed().await }, if snap_rx.is_some() && stop_why.is_none() => {
                     let snap = snap_rx.as_mut().expect("guarded").borrow_and_update().clone();
                     let Some(g) = running_gen.as_ref() else { continue };
@@ -249,6 +261,13 @@ impl Agent {
                         continue;
                     }
                     if let Some(why) = must_stop(&snap, g) {
+                        if why == StopWhy::JobFinished {
+                            if finish_stop.is_none() {
+                                tracing::info!(grace_ms = FINISH_GRACE_MS, "another node finished the job; the workers stop unless they end within the grace");
+                                finish_stop = Some(Box::pin(tokio::time::sleep(Duration::from_millis(FINISH_GRACE_MS))));
+                            }
+                            continue;
+                        }
                         if why == StopWhy::NewGeneration
                             && let Some(newest) = snap.generation.as_ref()
                         {

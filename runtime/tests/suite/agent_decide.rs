@@ -34,6 +34,8 @@ struct StopCase {
     waiting_for: Option<u64>,
     #[serde(default)]
     job_failed: bool,
+    #[serde(default)]
+    job_finished: bool,
     expect: Option<StopWhy>,
 }
 
@@ -88,10 +90,14 @@ fn must_stop_table_orders_generations_by_number_not_by_clock() {
                 reason: "members lost".into(),
                 until_unix_ms: 0,
             }),
-            job_state: c.job_failed.then(|| elastic::record::JobState {
+            job_state: (c.job_failed || c.job_finished).then(|| elastic::record::JobState {
                 version: 1,
-                outcome: elastic::record::Outcome::Failed,
-                reason: "a node failed".into(),
+                outcome: if c.job_failed {
+                    elastic::record::Outcome::Failed
+                } else {
+                    elastic::record::Outcome::Succeeded
+                },
+                reason: "a node ended the job".into(),
                 at_unix_ms: 0,
             }),
             ..Default::default()
