@@ -13,6 +13,18 @@ pub(super) fn generation_at(events: &[Record], t: u64) -> u64 {
         .unwrap_or(0)
 }
 
+/// When every node that recorded generation `g` by `t` last (re)entered it: the earliest of
+/// their newest records of it. A node fenced while etcd restarted records the generation again
+/// when it joins it again; while another node still holds its first record, this is that one.
+fn g0_entered_by_all(events: &[Record], g: u64, t: u64) -> u64 {
+    let mut newest: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
+    for s in generations(events).filter(|s| s.generation == g && s.record.ts_ms <= t) {
+        let e = newest.entry(s.record.node.as_str()).or_default();
+        *e = (*e).max(s.record.ts_ms);
+    }
+    newest.values().copied().min().unwrap_or(0)
+}
+
 pub fn effects(events: &[Record], fired: &[Fired]) -> Vec<FaultEffect> {
     fired
         .iter()
@@ -85,8 +97,12 @@ pub fn effects(events: &[Record], fired: &[Fired]) -> Vec<FaultEffect> {
                         .map(|g| g.record.ts_ms)
                         .min()
                         .unwrap_or(u64::MAX);
-                    let g0_trained =
-                        first_steps(events).any(|(e, g, _)| g == g0 && e.ts_ms < next_ts);
+                    // Nor when every node of it joined it again (fenced while etcd restarted)
+                    // and restarted its workers from a commit, and it has not trained since:
+                    // the steps past that commit were lost when they were fenced.
+                    let g0_entered = g0_entered_by_all(events, g0, t);
+                    let g0_trained = first_steps(events)
+                        .any(|(e, g, _)| g == g0 && e.ts_ms >= g0_entered && e.ts_ms < next_ts);
                     let lost = reached.map(|r| {
                         if g0_trained {
                             r.saturating_sub(resume.unwrap_or(0))

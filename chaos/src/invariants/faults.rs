@@ -634,6 +634,63 @@ mod tests {
         assert!(!lost_work_check(&s, &early, &f).ok);
     }
 
+    /// Soak seed 20261232, run 42: etcd restarted, every node was fenced and joined generation
+    /// 1 again, its workers restarted from step 25 (they had reached 28), and node1 was
+    /// preempted while they were still starting. Steps 26..28 were lost by the fence, not by
+    /// the drain, which had nothing newer than step 25 to save.
+    #[test]
+    fn a_preemption_before_a_generation_joined_again_trains_loses_nothing_of_its_own() {
+        let s = scenario();
+        let at = |kind: FaultKind, at_unix_ms: u64| Fired {
+            fault: Fault {
+                at_ms: 0,
+                kind,
+                node: 1,
+                duration_ms: 0,
+                delay_ms: 0,
+            },
+            at_unix_ms,
+            skipped: None,
+        };
+        let f = vec![
+            at(FaultKind::EtcdRestart, 3_500),
+            at(FaultKind::SigtermAgent, 9_900),
+        ];
+        let evs = vec![
+            generation(1_000, "a", 1, 3, None, None),
+            generation(1_000, "b", 1, 3, None, None),
+            first_step(2_000, "a", 1, 1),
+            committed(3_000, "a", 25, 1),
+            fenced(4_300, "a"),
+            fenced(4_400, "b"),
+            joined(4_450, "b", true),
+            generation(4_500, "b", 1, 3, Some(25), Some(28)),
+            joined(6_850, "a", true),
+            generation(6_900, "a", 1, 3, Some(25), Some(28)),
+            generation(10_000, "a", 2, 2, Some(25), Some(28)),
+            generation(10_000, "b", 2, 2, Some(25), Some(28)),
+            first_step(12_700, "a", 2, 26),
+        ];
+        let e = effects(&evs, &f);
+        assert_eq!(e[0].lost_steps, Some(3), "the fence lost 26..28: {e:?}");
+        assert_eq!(e[1].lost_steps, Some(0), "the drain lost nothing: {e:?}");
+        assert!(lost_work_check(&s, &evs, &f).ok);
+        // Trained again after every node joined it again: the drain's loss is its own.
+        let mut trained = evs.clone();
+        trained.push(first_step(7_500, "a", 1, 26));
+        trained.sort_by_key(|r| r.ts_ms);
+        assert_eq!(effects(&trained, &f)[1].lost_steps, Some(3));
+        assert!(!lost_work_check(&s, &trained, &f).ok);
+        // Only one node joined again, the other kept its first record (and trained on): the
+        // generation trained since, as far as the records tell.
+        let one: Vec<Record> = evs
+            .iter()
+            .filter(|r| !(r.node == "a" && r.ts_ms == 6_900))
+            .cloned()
+            .collect();
+        assert_eq!(effects(&one, &f)[1].lost_steps, Some(3));
+    }
+
     /// [`events`] with node2 (the preempted node of [`fired`]) joined and a member of
     /// generation 1 beside node0 and node1.
     fn events_with_node2_in_generation_1() -> Vec<Record> {
