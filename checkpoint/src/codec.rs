@@ -18,7 +18,7 @@
 use serde::{Deserialize, Serialize};
 
 mod stream;
-pub use stream::ChunkDecoder;
+pub use stream::{Checksums, ChunkDecoder};
 
 /// zstd level used for chunks: level 1 is the speed/ratio sweet spot on weights.
 pub const ZSTD_LEVEL: i32 = 1;
@@ -478,7 +478,7 @@ pub fn decode_blocks<E>(
         d.push(stored.slice(at..at + n), &mut sink)?;
         at += n;
     }
-    Ok(d.finish(&mut sink)?.1)
+    Ok(d.finish(&mut sink)?.decoded)
 }
 
 /// Elements `[e0, e0 + out.len() / w)` of width `w` put back together from their byte
@@ -633,6 +633,50 @@ mod tests {
                             assert_eq!(crc, crc32c::crc32c(input));
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// Summed by block, a chunk's decoder gives the block checksums the save wrote and their
+    /// combination as the decoded checksum, whatever pieces the stored bytes come in; the
+    /// stored checksum is the same as when summed whole.
+    #[test]
+    fn block_sums_match_the_saved_block_checksums_in_any_pieces() {
+        let len = 3 * BLOCK_RAW_BYTES as usize + 77;
+        let data = weights(len / 2 + 1, 2, 21)[..len].to_vec();
+        let want_blocks = crate::format::BlockCrcs::of(&data);
+        assert_eq!(want_blocks.len(), 4);
+        for compress in [false, true] {
+            let (stored, codec) = encode(&data, Some(2), compress);
+            assert_eq!(codec.name(), if compress { "zstd-blocks" } else { "raw" });
+            let stored = bytes::Bytes::from(stored);
+            for by_block in [false, true] {
+                for piece in [1000usize, 65_536, usize::MAX] {
+                    let mut d = ChunkDecoder::new(&codec, len as u64, stored.len() as u64, 1 << 16)
+                        .unwrap();
+                    if by_block {
+                        d.sum_blocks();
+                    }
+                    let mut out = Vec::new();
+                    let mut sink = |at: u64, b: &[u8]| {
+                        assert_eq!(at, out.len() as u64);
+                        out.extend_from_slice(b);
+                        Ok::<_, ()>(())
+                    };
+                    let mut at = 0;
+                    while at < stored.len() {
+                        let n = piece.min(stored.len() - at);
+                        d.push(stored.slice(at..at + n), &mut sink).unwrap();
+                        at += n;
+                    }
+                    let sums = d.finish(&mut sink).unwrap();
+                    let what = format!("{codec:?} by block {by_block} piece {piece}");
+                    assert_eq!(out, data, "{what}");
+                    let blocks = by_block.then_some(&want_blocks[..]);
+                    assert_eq!(sums.blocks.as_deref(), blocks, "{what}");
+                    assert_eq!(sums.decoded, crc32c::crc32c(&data), "{what}");
+                    assert_eq!(sums.stored, crc32c::crc32c(&stored), "{what}");
                 }
             }
         }

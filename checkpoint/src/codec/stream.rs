@@ -1,8 +1,11 @@
 //! Decoding a chunk while its stored bytes arrive: [`ChunkDecoder`] takes the stored bytes in
 //! pieces of any size, in order, and hands the decoded bytes to a sink in order, in blocks of
-//! at most a given size, each while it is still in cache. It computes both checksums on the way
+//! at most a given size, each while it is still in cache. It computes the checksums on the way
 //! (the stored bytes' as they arrive, the decoded bytes' as they leave), so each byte is
-//! touched once by the checksum and once by the copy that puts it in place.
+//! touched once by a checksum and once by the copy that puts it in place. A chunk whose
+//! manifest lists block checksums has its decoded bytes summed by block instead
+//! ([`ChunkDecoder::sum_blocks`]), and the whole chunk's decoded checksum is their
+//! combination: a raw chunk is summed once, a compressed one once as stored and once decoded.
 //!
 //! - `raw`: each piece is handed on as it arrives; nothing is held.
 //! - `zstd`: the frame is decompressed as it arrives, through one block of buffer.
@@ -16,6 +19,7 @@
 use bytes::Bytes;
 
 use super::{BlockDecoder, BlocksError, Codec, block_raw_range, gather_planes};
+use crate::format::BlockCrcs;
 
 type Zstd = zstd::stream::raw::Decoder<'static>;
 
@@ -26,9 +30,46 @@ pub struct ChunkDecoder {
     block_bytes: usize,
     received: u64,
     stored_crc: u32,
-    raw_crc: u32,
+    raw_crc: DecodedSum,
     emitted: u64,
     state: State,
+}
+
+/// The checksums a finished chunk had: what the caller checks against the manifest before it
+/// trusts what the sink was given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checksums {
+    /// The stored bytes' crc32c.
+    pub stored: u32,
+    /// The decoded bytes' crc32c (with block sums, their combination).
+    pub decoded: u32,
+    /// The decoded bytes' crc32c per check block, when asked for.
+    pub blocks: Option<Vec<u32>>,
+}
+
+/// The decoded bytes' checksum: whole, or per check block.
+enum DecodedSum {
+    Whole(u32),
+    Blocks(BlockCrcs),
+}
+
+impl DecodedSum {
+    fn add(&mut self, b: &[u8]) {
+        match self {
+            DecodedSum::Whole(c) => *c = crc32c::crc32c_append(*c, b),
+            DecodedSum::Blocks(s) => s.push(b),
+        }
+    }
+
+    fn finish(self) -> (u32, Option<Vec<u32>>) {
+        match self {
+            DecodedSum::Whole(c) => (c, None),
+            DecodedSum::Blocks(s) => {
+                let (c, blocks) = s.finish();
+                (c, Some(blocks))
+            }
+        }
+    }
 }
 
 enum State {
@@ -85,7 +126,7 @@ fn more_than(n: usize) -> String {
 
 /// Hands `b`, which starts `*emitted` bytes into the decoded chunk, to `sink`.
 fn emit<E>(
-    crc: &mut u32,
+    crc: &mut DecodedSum,
     emitted: &mut u64,
     sink: &mut impl FnMut(u64, &[u8]) -> Result<(), E>,
     b: &[u8],
@@ -93,7 +134,7 @@ fn emit<E>(
     if b.is_empty() {
         return Ok(());
     }
-    *crc = crc32c::crc32c_append(*crc, b);
+    crc.add(b);
     sink(*emitted, b).map_err(BlocksError::Sink)?;
     *emitted += b.len() as u64;
     Ok(())
@@ -215,10 +256,29 @@ impl ChunkDecoder {
             block_bytes,
             received: 0,
             stored_crc: 0,
-            raw_crc: 0,
+            raw_crc: DecodedSum::Whole(0),
             emitted: 0,
             state,
         })
+    }
+
+    /// Sums the decoded bytes per check block ([`crate::format::CHECK_BLOCK_BYTES`]), for a
+    /// chunk whose manifest lists its block checksums, in place of the whole chunk's decoded
+    /// sum: [`Checksums::decoded`] is then their combination (and for a raw chunk, whose
+    /// stored bytes are its decoded bytes, [`Checksums::stored`] too, without a pass of its
+    /// own). Call it before the first push.
+    pub fn sum_blocks(&mut self) {
+        debug_assert_eq!(self.received, 0, "sum_blocks after a push");
+        self.raw_crc = DecodedSum::Blocks(BlockCrcs::default());
+    }
+
+    /// Whether the stored bytes are summed as they arrive: always, but for a raw chunk summed
+    /// by block, whose block sums cover them.
+    fn sums_stored(&self) -> bool {
+        !matches!(
+            (&self.state, &self.raw_crc),
+            (State::Raw, DecodedSum::Blocks(_))
+        )
     }
 
     /// Moves a `zstd-planes` state to the first span at or after `from` that has bytes.
@@ -273,13 +333,21 @@ impl ChunkDecoder {
     ) -> Result<(), BlocksError<E>> {
         let n = piece.len() as u64;
         self.received += n;
-        self.stored_crc = crc32c::crc32c_append(self.stored_crc, &piece);
+        let sums_stored = self.sums_stored();
+        if sums_stored {
+            self.stored_crc = crc32c::crc32c_append(self.stored_crc, &piece);
+        }
         match &mut self.state {
-            // Its decoded bytes are its stored bytes, and their checksum is the one above.
+            // Its decoded bytes are its stored bytes: summed once, whole as stored or by block
+            // as decoded.
             State::Raw => {
-                if n > 0 {
-                    sink(self.emitted, &piece).map_err(BlocksError::Sink)?;
-                    self.emitted += n;
+                if sums_stored {
+                    if n > 0 {
+                        sink(self.emitted, &piece).map_err(BlocksError::Sink)?;
+                        self.emitted += n;
+                    }
+                } else {
+                    emit(&mut self.raw_crc, &mut self.emitted, sink, &piece)?;
                 }
             }
             State::Zstd { .. } => self.feed_zstd(&piece, sink)?,
@@ -410,7 +478,7 @@ impl ChunkDecoder {
         filled: &mut usize,
         frame_done: &mut bool,
         raw_len: usize,
-        raw_crc: &mut u32,
+        raw_crc: &mut DecodedSum,
         emitted: &mut u64,
         sink: &mut impl FnMut(u64, &[u8]) -> Result<(), E>,
     ) -> Result<(), BlocksError<E>> {
@@ -454,12 +522,12 @@ impl ChunkDecoder {
     }
 
     /// Ends the chunk once every stored byte has been pushed: hands on what is left and
-    /// returns `(stored crc32c, decoded crc32c)` for the caller to check against the manifest
-    /// before it trusts what the sink was given.
+    /// returns its [`Checksums`] for the caller to check against the manifest before it
+    /// trusts what the sink was given.
     pub fn finish<E>(
         mut self,
         sink: &mut impl FnMut(u64, &[u8]) -> Result<(), E>,
-    ) -> Result<(u32, u32), BlocksError<E>> {
+    ) -> Result<Checksums, BlocksError<E>> {
         if self.received != self.stored_len {
             return Err(BlocksError::Codec(format!(
                 "{} of {} stored bytes arrived",
@@ -471,7 +539,11 @@ impl ChunkDecoder {
             self.feed_zstd(&[], sink)?;
         }
         match &mut self.state {
-            State::Raw => self.raw_crc = self.stored_crc,
+            State::Raw => {
+                if let DecodedSum::Whole(c) = &mut self.raw_crc {
+                    *c = self.stored_crc;
+                }
+            }
             State::Blocks { sizes, cur, .. } => {
                 if *cur != sizes.len() {
                     return Err(BlocksError::Codec(format!(
@@ -568,6 +640,12 @@ impl ChunkDecoder {
                 self.emitted, self.raw_len
             )));
         }
-        Ok((self.stored_crc, self.raw_crc))
+        let raw = matches!(self.state, State::Raw);
+        let (decoded, blocks) = self.raw_crc.finish();
+        Ok(Checksums {
+            stored: if raw { decoded } else { self.stored_crc },
+            decoded,
+            blocks,
+        })
     }
 }

@@ -1,5 +1,6 @@
 //! Reading a chunk: streaming its stored bytes into a [`ChunkDecoder`] as they arrive, checking
-//! its length and its stored and decoded checksums before a byte of it is trusted, and
+//! its length and its checksums (stored, decoded, and per block where the manifest lists them)
+//! before a byte of it is trusted, and
 //! [`Store::verify`], which reads every chunk of a step.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,11 +13,12 @@ use tokio_util::sync::CancellationToken;
 use super::ReadOptions;
 use crate::codec::{BlocksError, ChunkDecoder};
 use crate::error::{Error, Result};
-use crate::format::{self, Manifest, ObjectEntry};
+use crate::format::{Manifest, ObjectEntry};
 use crate::local::STREAM_BLOCK_BYTES;
 use crate::store::Store;
 
-/// Pieces of a chunk (as the store's client hands them over, a few hundred KiB at most) that
+/// Batches of a chunk's pieces (as the store's client hands them over, a few KiB to a few
+/// hundred KiB each, gathered until a batch holds a block: at most a block plus a piece) that
 /// wait for its decoder, per chunk.
 const PIECES_IN_FLIGHT: usize = 16;
 
@@ -131,8 +133,9 @@ impl Store {
 
     /// Reads object `idx` and hands its decoded bytes to `sink(offset, bytes)` in order, in
     /// blocks of at most [`STREAM_BLOCK_BYTES`], decoding while the stored bytes arrive
-    /// ([`ChunkDecoder`], on a blocking thread). Both checksums and the length are checked at
-    /// the end: until this returns `Ok`, what the sink was given is not to be trusted. A
+    /// ([`ChunkDecoder`], on a blocking thread). The checksums (per block too where the
+    /// manifest lists them) and the length are checked at the end: until this returns `Ok`,
+    /// what the sink was given is not to be trusted. A
     /// remote object comes as one GET, resumed from where it broke off when a transient error
     /// cuts it; at most [`PIECES_IN_FLIGHT`] pieces wait for the decoder.
     pub(crate) async fn read_object<S>(
@@ -150,35 +153,38 @@ impl Store {
         // Numbers that disagree are refused before a request is made.
         let mut d = ChunkDecoder::new(&o.codec, o.raw_bytes, o.stored_bytes, STREAM_BLOCK_BYTES)
             .map_err(|reason| self.corrupt(step, &o.key, reason))?;
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(PIECES_IN_FLIGHT);
+        // A chunk with block checksums has them checked, so that a chunk that reads whole
+        // also reads in part; they stand in for the pass of its whole decoded checksum.
+        if !o.block_crc32c.is_empty() {
+            d.sum_blocks();
+        }
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<bytes::Bytes>>(PIECES_IN_FLIGHT);
         let store = self.clone();
         let decoder = tokio::task::spawn_blocking(move || {
             let corrupt = |e: BlocksError<Error>| match e {
                 BlocksError::Codec(reason) => store.corrupt(step, &o.key, reason),
                 BlocksError::Sink(e) => e,
             };
-            // A raw object's block checksums are checked too, so that an object that reads
-            // whole also reads in part.
-            let mut blocks = format::BlockCrcs::default();
-            let check_blocks = !o.block_crc32c.is_empty();
-            let mut sink = |at: u64, b: &[u8]| {
-                if check_blocks {
-                    blocks.push(b);
+            while let Some(batch) = rx.blocking_recv() {
+                for piece in batch {
+                    d.push(piece, &mut sink).map_err(corrupt)?;
                 }
-                sink(at, b)
-            };
-            while let Some(piece) = rx.blocking_recv() {
-                d.push(piece, &mut sink).map_err(corrupt)?;
             }
-            let (stored, raw) = d.finish(&mut sink).map_err(corrupt)?;
-            if check_blocks {
-                check_block_crcs(&store, step, &o, &blocks.finish().1)?;
+            let sums = d.finish(&mut sink).map_err(corrupt)?;
+            if let Some(blocks) = &sums.blocks {
+                check_block_crcs(&store, step, &o, blocks)?;
             }
-            if stored != o.stored_crc32c {
-                return Err(store.crc_mismatch(step, &o, "crc32c", stored, o.stored_crc32c));
+            if sums.stored != o.stored_crc32c {
+                return Err(store.crc_mismatch(step, &o, "crc32c", sums.stored, o.stored_crc32c));
             }
-            if raw != o.raw_crc32c {
-                return Err(store.crc_mismatch(step, &o, "decoded crc32c", raw, o.raw_crc32c));
+            if sums.decoded != o.raw_crc32c {
+                return Err(store.crc_mismatch(
+                    step,
+                    &o,
+                    "decoded crc32c",
+                    sums.decoded,
+                    o.raw_crc32c,
+                ));
             }
             Ok(())
         });
@@ -198,7 +204,7 @@ impl Store {
         &self,
         m: &Manifest,
         idx: usize,
-        tx: &tokio::sync::mpsc::Sender<bytes::Bytes>,
+        tx: &tokio::sync::mpsc::Sender<Vec<bytes::Bytes>>,
         cancel: &CancellationToken,
     ) -> Result<bool> {
         let o = &m.objects[idx];
@@ -208,7 +214,7 @@ impl Store {
             if data.len() as u64 != o.stored_bytes {
                 return Err(self.truncated(m.step, o, data.len() as u64));
             }
-            return Ok(tx.send(data).await.is_ok());
+            return Ok(tx.send(vec![data]).await.is_ok());
         }
         let path = self.path(&o.key);
         let received = AtomicU64::new(0);
@@ -238,11 +244,12 @@ impl Store {
             let mut pieces = r.into_stream();
             // Bytes of this response received, and handed to the decoder.
             let (mut got, mut sent) = (0u64, 0u64);
-            // Small pieces are gathered into one of at least a block before they are handed
-            // over: one wake-up of the decoder and one write per block, not per piece.
-            let mut pending = bytes::BytesMut::new();
+            // Pieces are gathered into a batch of at least a block before they are handed
+            // over, without a copy: one wake-up of the decoder per block, not per piece.
+            let mut pending: Vec<bytes::Bytes> = Vec::new();
+            let mut pending_bytes = 0u64;
             let fed = loop {
-                let (ready, end) = match pieces.next().await {
+                let end = match pieces.next().await {
                     Some(Ok(piece)) => {
                         let n = piece.len() as u64;
                         let at = from + got;
@@ -250,29 +257,24 @@ impl Store {
                             break Err(self.truncated(m.step, o, at + n));
                         }
                         got += n;
-                        if pending.is_empty() && piece.len() >= STREAM_BLOCK_BYTES {
-                            (piece, None)
-                        } else {
-                            pending.extend_from_slice(&piece);
-                            if pending.len() < STREAM_BLOCK_BYTES {
-                                continue;
-                            }
-                            (pending.split().freeze(), None)
+                        if n > 0 {
+                            pending.push(piece);
+                            pending_bytes += n;
                         }
+                        if pending_bytes < STREAM_BLOCK_BYTES as u64 {
+                            continue;
+                        }
+                        None
                     }
                     // The body ended or broke off: what arrived goes on first.
-                    None => (pending.split().freeze(), Some(Ok(true))),
-                    Some(Err(e)) => (
-                        pending.split().freeze(),
-                        Some(Err(self.err("get", &o.key, e))),
-                    ),
+                    None => Some(Ok(true)),
+                    Some(Err(e)) => Some(Err(self.err("get", &o.key, e))),
                 };
-                let n = ready.len() as u64;
-                if n > 0 {
-                    if tx.send(ready).await.is_err() {
+                if pending_bytes > 0 {
+                    if tx.send(std::mem::take(&mut pending)).await.is_err() {
                         break Ok(false);
                     }
-                    sent += n;
+                    sent += std::mem::take(&mut pending_bytes);
                     received.store(from + sent, Ordering::Relaxed);
                 }
                 if let Some(end) = end {
