@@ -135,9 +135,9 @@ impl Store {
     /// blocks of at most [`STREAM_BLOCK_BYTES`], decoding while the stored bytes arrive
     /// ([`ChunkDecoder`], on a blocking thread). The checksums (per block too where the
     /// manifest lists them) and the length are checked at the end: until this returns `Ok`,
-    /// what the sink was given is not to be trusted. A
-    /// remote object comes as one GET, resumed from where it broke off when a transient error
-    /// cuts it; at most [`PIECES_IN_FLIGHT`] pieces wait for the decoder.
+    /// what the sink was given is not to be trusted. A remote object comes as one GET,
+    /// resumed from where it broke off when a transient error cuts it; at most
+    /// [`PIECES_IN_FLIGHT`] batches of its pieces wait for the decoder.
     pub(crate) async fn read_object<S>(
         &self,
         m: &Manifest,
