@@ -67,7 +67,8 @@ def load(state=None, optimizer=None, resume_dir=None, *, model=None, strict=True
     mine = os.path.join(d, f"rank-{rank()}")
     shards = {}
     if os.path.isfile(os.path.join(mine, _RESTORED)):
-        step, tensors, rest = _read_restored(mine, shards=shards, into=_into(state, model, strict, shards, d))
+        into = _into(state, model, optimizer, strict, shards, d)
+        step, tensors, rest = _read_restored(mine, shards=shards, into=into)
     elif _is_restore_dir(d):
         raise FormatError(f"{d}: restored for other ranks: no {_RESTORED} for rank {rank()}")
     else:
@@ -153,20 +154,22 @@ def _read_tensors(path, check=None):
         return f.read()
 
 
-def _into(state, model, strict, shards, where):
+def _into(state, model, optimizer, strict, shards, where):
     """What :func:`load` reads straight into the state's own tensors (the ``into`` of
     :func:`_read_restored`): the tensors of every module that the checkpoint fills exactly, so
     that the bytes go from the restored file into the model in one copy. The state form is
     first checked in full against tensors without data (``apply``'s dry run), so a checkpoint
     that does not fit loads nothing; ``shards`` holds the file's shard declarations by then.
-    Optimizer state of CUDA parameters is named with the device to create it on
-    (:func:`_tree.device_hints`)."""
+    The optimizer's own state tensors are read into too where it holds them already (an
+    optimizer that has stepped: :func:`_tree.state_destinations`), in the model form only when
+    the model qualifies; other optimizer state of CUDA parameters is named with the device to
+    create it on (:func:`_tree.device_hints`)."""
 
     def state_form(rest, entries):
         _tree.apply(state, rest, _meta_tensors(entries), where, strict=strict, shards=shards, dry_run=True)
-        out = _tree.device_hints(state, rest, entries)
-        out.update(_tree.destinations(state, rest, entries, shards))
-        return out
+        out = _tree.destinations(state, rest, entries, shards)
+        out.update(_tree.optimizer_destinations(state, rest, entries, out))
+        return {**_tree.device_hints(state, rest, entries), **out}
 
     def model_form(rest, entries):
         if model is None or shards:
@@ -176,7 +179,17 @@ def _into(state, model, strict, shards, where):
         if names != set(current):
             return None
         out = {f"model/{k}": t for k, t in current.items()}
-        return out if all(_read.fits(t, entries[k]) for k, t in out.items()) else None
+        if not all(_read.fits(t, entries[k]) for k, t in out.items()):
+            return None
+        param_of = _tree.saved_params(optimizer, rest.get("optim_param_groups")) if optimizer is not None else None
+        if param_of is not None:
+            items = []
+            for k in entries:
+                parts = k.split("/", 3)
+                if k.startswith("optim/state/") and len(parts) == 4 and _is_index_text(parts[2]) and parts[3]:
+                    items.append((int(parts[2]), parts[3], k))
+            out.update(_tree.state_destinations(optimizer, param_of, items, entries, out))
+        return out
 
     def plan(rest, entries):
         if state is not None:

@@ -5,8 +5,9 @@ of at most HEADER_BYTES_MAX bytes, every tensor's dtype known, its byte range th
 shape and dtype make, the ranges in order with no gap or overlap, and the file exactly as long
 as they say. Then each tensor is either read with ``preadv`` into a tensor the caller names (a
 module's own parameter: the bytes go from the file into the model in one copy, and several
-reads run at once on a large file, since they release the GIL), or given as a view of a
-private, copy-on-write mapping of the file (optimizer state and the rest): nothing is copied
+reads run at once on a large file, since they release the GIL; optimizer state the optimizer
+already holds is read the same way), or given as a view of a private, copy-on-write mapping of
+the file (the optimizer state of a fresh optimizer, and the rest): nothing is copied
 until something writes to it, and then only the pages written. A tensor named on a CUDA
 device is read through pinned host buffers, a few megabytes at a time, each copied to the
 device asynchronously on a stream of the reading thread's own while the next is read.

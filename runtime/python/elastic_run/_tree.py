@@ -694,6 +694,53 @@ def destinations(state, skeleton, entries, shards=None):
     return out
 
 
+def _saved_optimizers(state, skeleton):
+    """``(optimizer, param_of, items)`` for each optimizer of ``state`` that the checkpoint
+    saved: ``param_of`` maps each saved parameter index to the optimizer's own parameter, by
+    the order of its ``param_groups``, as ``load_state_dict`` pairs them (an optimizer whose
+    saved groups differ from its own in number or size is left out: loading it fails);
+    ``items`` is each ``(index, name, tensor name)`` of the saved per-parameter state."""
+    import torch
+
+    for name, e in (skeleton.get("entries") or {}).items():
+        target = state.get(name) if isinstance(state, Mapping) else None
+        value = e.get("value") if isinstance(e, dict) and e.get("stateful") is True else None
+        if not (isinstance(target, torch.optim.Optimizer) and isinstance(value, dict)):
+            continue
+        param_of = saved_params(target, value.get("param_groups"))
+        if param_of is None:
+            continue
+        items = value.get("state")
+        items = items.get("$items") if isinstance(items, dict) else None
+        found = []
+        for item in items if isinstance(items, list) else ():
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], dict)
+                    and isinstance(item[0], int) and not isinstance(item[0], bool)):
+                continue
+            for k, v in item[1].items():
+                key = v.get("$t") if isinstance(v, dict) and len(v) == 1 else None
+                if isinstance(key, str):
+                    found.append((item[0], k, key))
+        yield target, param_of, found
+
+
+def saved_params(optimizer, saved_groups):
+    """The optimizer's own parameter for each parameter index in ``saved_groups`` (a
+    checkpoint's ``param_groups``), paired by position as ``load_state_dict`` pairs them; None
+    when the groups differ from the optimizer's in number or size."""
+    groups = optimizer.param_groups
+    if not (isinstance(saved_groups, list) and len(saved_groups) == len(groups) and all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) and len(g["params"]) == len(c["params"])
+            for g, c in zip(saved_groups, groups))):
+        return None
+    param_of = {}
+    for g, c in zip(saved_groups, groups):
+        for i, p in zip(g["params"], c["params"]):
+            if isinstance(i, int) and not isinstance(i, bool):
+                param_of[i] = p
+    return param_of
+
+
 def device_hints(state, skeleton, entries):
     """Optimizer state to create on the device of its parameter while it is read (a CUDA
     parameter's ``exp_avg`` and the like, read through pinned buffers rather than copied
@@ -704,36 +751,61 @@ def device_hints(state, skeleton, entries):
     import torch
 
     out = {}
-    for name, e in (skeleton.get("entries") or {}).items():
-        target = state.get(name) if isinstance(state, Mapping) else None
-        value = e.get("value") if isinstance(e, dict) and e.get("stateful") is True else None
-        if not (isinstance(target, torch.optim.Optimizer) and isinstance(value, dict)):
-            continue
-        groups, saved = target.param_groups, value.get("param_groups")
-        if not (isinstance(saved, list) and len(saved) == len(groups) and all(
-                isinstance(g, dict) and isinstance(g.get("params"), list) and len(g["params"]) == len(c["params"])
-                for g, c in zip(saved, groups))):
-            continue
-        param_of = {}
-        for g, c in zip(saved, groups):
-            for i, p in zip(g["params"], c["params"]):
-                if isinstance(i, int) and not isinstance(i, bool):
-                    param_of[i] = p
-        items = value.get("state")
-        items = items.get("$items") if isinstance(items, dict) else None
-        for item in items if isinstance(items, list) else ():
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], dict)):
+    for _, param_of, items in _saved_optimizers(state, skeleton):
+        for idx, k, key in items:
+            p, ent = param_of.get(idx), entries.get(key)
+            if (p is None or type(p) not in (torch.Tensor, torch.nn.Parameter) or p.device.type != "cuda"
+                    or k == "step" or ent is None):
                 continue
-            p = param_of.get(item[0]) if isinstance(item[0], int) else None
-            if p is None or type(p) not in (torch.Tensor, torch.nn.Parameter) or p.device.type != "cuda":
-                continue
-            for k, v in item[1].items():
-                key = v.get("$t") if isinstance(v, dict) and len(v) == 1 else None
-                ent = entries.get(key) if isinstance(key, str) else None
-                if (k != "step" and ent is not None and ent.shape == tuple(p.shape)
-                        and ent.torch_dtype() == p.dtype):
-                    out[key] = p.device
+            if ent.shape == tuple(p.shape) and ent.torch_dtype() == p.dtype:
+                out[key] = p.device
     return out
+
+
+def optimizer_destinations(state, skeleton, entries, taken):
+    """The optimizer state of ``state`` that a checkpoint can be read straight into, as
+    :func:`state_destinations` finds it for each optimizer the checkpoint saved."""
+    out = {}
+    for optimizer, param_of, items in _saved_optimizers(state, skeleton):
+        out.update(state_destinations(optimizer, param_of, items, entries, taken))
+    return out
+
+
+def state_destinations(optimizer, param_of, items, entries, taken):
+    """The tensors ``optimizer`` already holds as state that checkpoint tensors can be read
+    straight into: for each ``(index, name, tensor name)`` of ``items``, the state ``name`` of
+    the parameter ``param_of[index]`` where the optimizer holds it as a tensor that fits the
+    entry as it is (:func:`_read.fits`). Reading into them copies the bytes once, as into a
+    parameter: ``load_state_dict`` then keeps the same tensors, nothing is freed, and no page
+    is copied on a later write. An optimizer without state yet (a fresh one) gets views of the
+    file instead. ``taken`` (destinations already chosen, name -> tensor) and what this
+    returns never share memory with each other or with a parameter: a tensor that does is left
+    to be read as before."""
+    from ._read import fits
+
+    used = {_storage_of(t) for t in [*taken.values(), *param_of.values()]} - {None}
+    out = {}
+    for idx, k, key in items:
+        p, ent = param_of.get(idx), entries.get(key)
+        current = optimizer.state.get(p, {}).get(k) if p is not None else None
+        if ent is None or current is None or key in out or key in taken or not is_tensor(current):
+            continue
+        if not ent.nbytes or not fits(current, ent):
+            continue
+        ptr = _storage_of(current)
+        if ptr is None or ptr in used:
+            continue
+        used.add(ptr)
+        out[key] = current
+    return out
+
+
+def _storage_of(t):
+    """Where the memory of plain tensor ``t`` starts (None for anything else: a DTensor holds
+    its memory in its local tensor)."""
+    import torch
+
+    return t.untyped_storage().data_ptr() if type(t) in (torch.Tensor, torch.nn.Parameter) else None
 
 
 def _local_destination(current, spec):

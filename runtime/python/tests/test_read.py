@@ -172,16 +172,74 @@ class InPlace(tc.Restores):
         self.env(ELASTIC_RESUME_DIR=out, ELASTIC_RESUME_STEP=7, RANK=0, WORLD_SIZE=1)
         fresh, fresh_opt = self.make(1)
         ptrs = [p.data_ptr() for p in fresh.parameters()]
+        state_ptrs = self.state_ptrs(fresh_opt)
         calls, patch = self.reads()
         with patch:
             step, _ = er.load(model=fresh, optimizer=fresh_opt)
         self.assertEqual(step, 7)
         self.assertEqual(len(calls), 1)
-        self.assertEqual(sorted(calls[0]), sorted(f"model/{k}" for k in fresh.state_dict()))
+        # The optimizer has stepped: its own state tensors are read into as well.
+        self.assertEqual(sorted(calls[0]), sorted([f"model/{k}" for k in fresh.state_dict()]
+                                                  + [f"optim/state/{i}/{k}" for i, k in state_ptrs]))
         self.assertEqual([p.data_ptr() for p in fresh.parameters()], ptrs)
+        self.assertEqual(self.state_ptrs(fresh_opt), state_ptrs)
         for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
             self.assertTrue(torch.equal(a, b))
         self.assertEqual(opt.state_dict()["state"].keys(), fresh_opt.state_dict()["state"].keys())
+        for i, st in opt.state_dict()["state"].items():
+            for k, v in st.items():
+                self.assertTrue(torch.equal(v, fresh_opt.state_dict()["state"][i][k]), (i, k))
+
+    @staticmethod
+    def state_ptrs(opt):
+        """``(parameter index, name) -> data_ptr`` of each tensor the optimizer holds as state."""
+        sd = opt.state_dict()["state"]
+        return {(i, k): v.data_ptr() for i, st in sd.items() for k, v in st.items() if v.numel()}
+
+    def test_a_fresh_optimizer_gets_its_state_from_the_file_and_a_mismatched_one_is_not_read_into(self):
+        torch = self.torch
+        model, opt, staged = self.stage()
+        out = self.restore(staged, world=1)
+        self.env(ELASTIC_RESUME_DIR=out, ELASTIC_RESUME_STEP=7, RANK=0, WORLD_SIZE=1)
+        fresh, _ = self.make(1)
+        # Without state yet: only the parameters are read into.
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+        calls, patch = self.reads()
+        with patch:
+            er.load(model=fresh, optimizer=fresh_opt)
+        self.assertEqual(sorted(calls[0]), sorted(f"model/{k}" for k in fresh.state_dict()))
+        for i, st in opt.state_dict()["state"].items():
+            for k, v in st.items():
+                self.assertTrue(torch.equal(v, fresh_opt.state_dict()["state"][i][k]), (i, k))
+        # Groups that do not pair with the saved ones: the optimizer's state is not written, and
+        # loading it fails as load_state_dict fails.
+        other, other_opt = self.make(2)
+        split = torch.optim.Adam([{"params": list(other.parameters())[:2]},
+                                  {"params": list(other.parameters())[2:]}], lr=0.01)
+        split.load_state_dict(other_opt.state_dict() | {"param_groups": split.state_dict()["param_groups"]})
+        before = {key: t.clone() for key, t in self.state_tensors(split).items()}
+        calls, patch = self.reads()
+        with patch, self.assertRaisesRegex(ValueError, "parameter groups"):
+            er.load(model=other, optimizer=split)
+        self.assertFalse([k for k in calls[0] if k.startswith("optim/")])
+        for key, t in self.state_tensors(split).items():
+            self.assertTrue(torch.equal(t, before[key]), key)
+
+    @staticmethod
+    def state_tensors(opt):
+        return {(i, k): v for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
+
+    def test_the_state_form_reads_into_the_optimizers_own_state(self):
+        torch = self.torch
+        model, opt = self.make(0)
+        out = self.stage_state({"model": model, "opt": opt})
+        fresh, fresh_opt = self.make(1)
+        ptrs = self.state_ptrs(fresh_opt)
+        calls, patch = self.reads()
+        with patch:
+            self.assertEqual(er.load({"model": fresh, "opt": fresh_opt}, resume_dir=out), 7)
+        self.assertEqual(len(calls[0]), len(fresh.state_dict()) + len(ptrs))
+        self.assertEqual(self.state_ptrs(fresh_opt), ptrs)
         for i, st in opt.state_dict()["state"].items():
             for k, v in st.items():
                 self.assertTrue(torch.equal(v, fresh_opt.state_dict()["state"][i][k]), (i, k))
@@ -206,7 +264,8 @@ class InPlace(tc.Restores):
         with patch:
             self.assertEqual(er.load(state, resume_dir=out), 7)
         self.assertEqual(len(calls), 1)
-        self.assertEqual(len(calls[0]), len(fresh.state_dict()) + len(fresh_ema.state_dict()))
+        self.assertEqual(len(calls[0]), len(fresh.state_dict()) + len(fresh_ema.state_dict())
+                         + len(self.state_ptrs(fresh_opt)))
         self.assertEqual([p.data_ptr() for p in list(fresh.parameters()) + list(fresh_ema.parameters())], ptrs)
         for a, b in ((model, fresh), (ema, fresh_ema)):
             for x, y in zip(a.state_dict().values(), b.state_dict().values()):
