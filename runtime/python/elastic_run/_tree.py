@@ -776,9 +776,9 @@ def state_destinations(optimizer, param_of, items, entries, taken):
     straight into: for each ``(index, name, tensor name)`` of ``items``, the state ``name`` of
     the parameter ``param_of[index]`` where the optimizer holds it as a tensor that fits the
     entry as it is (:func:`_read.fits`). Reading into them copies the bytes once, as into a
-    parameter: ``load_state_dict`` then keeps the same tensors, nothing is freed, and no page
-    is copied on a later write. An optimizer without state yet (a fresh one) gets views of the
-    file instead. ``taken`` (destinations already chosen, name -> tensor) and what this
+    parameter: ``load_state_dict`` then keeps the same tensors, and nothing is allocated or
+    freed. An optimizer without state yet (a fresh one) gets new tensors read from the file
+    instead. ``taken`` (destinations already chosen, name -> tensor) and what this
     returns never share memory with each other or with a parameter: a tensor that does is left
     to be read as before."""
     from ._read import fits

@@ -108,7 +108,7 @@ class Header(tc.TorchEnv):
                 with _read.TensorFile(path) as f:
                     f.read({"t": self.torch.empty(64, dtype=self.torch.uint8)})
 
-    def test_named_tensors_are_read_in_threads_and_the_rest_map_the_file_copy_on_write(self):
+    def test_named_tensors_are_read_in_threads_and_the_rest_into_tensors_of_their_own(self):
         torch = self.torch
         from safetensors.torch import save_file
 
@@ -127,7 +127,9 @@ class Header(tc.TorchEnv):
             self.assertTrue(torch.equal(got[k], t), k)
             if k in into:
                 self.assertIs(got[k], into[k])
-        # The others are the file's pages until written; a write stays in this process.
+        # The others are tensors of their own: the file is not mapped (a mapping would keep
+        # all of it in memory while any of them lives), and writes stay in this process.
+        self.assertNotIn(path, mapped_files())
         got["t1"].add_(1)
         got["t3"].zero_()
         with open(path, "rb") as f:
@@ -148,6 +150,12 @@ class Header(tc.TorchEnv):
         self.assertEqual(got["f"].tolist(), [1.5, -2.0])
         self.assertEqual(got["f"].data_ptr() % 4, 0)
         self.assertEqual(got["b"].tolist(), [True, False, True])
+
+
+def mapped_files():
+    """The files this process maps (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6}
 
 
 class InPlace(tc.Restores):
@@ -208,6 +216,8 @@ class InPlace(tc.Restores):
         with patch:
             er.load(model=fresh, optimizer=fresh_opt)
         self.assertEqual(sorted(calls[0]), sorted(f"model/{k}" for k in fresh.state_dict()))
+        # Its state is tensors of its own, not of the restored file, which the agent removes.
+        self.assertFalse([p for p in mapped_files() if p.startswith(out)])
         for i, st in opt.state_dict()["state"].items():
             for k, v in st.items():
                 self.assertTrue(torch.equal(v, fresh_opt.state_dict()["state"][i][k]), (i, k))
