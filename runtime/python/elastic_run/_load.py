@@ -353,8 +353,12 @@ def _read_staged(d, shards=None):
                 raise FormatError(f"{d}/{name}: tensors do not match {_META}")
             header_of.update(header)
 
-        got = _read_tensors(path, check)
-        found = _read_shards(path, header_of, got)
+        with _read.TensorFile(path) as f:
+            check(f.metadata, list(f.entries))
+            found = _read_shards(path, header_of, _meta_tensors(f.entries))
+            # Shards are cut to this rank's rows, copied, below: as views of the file, only
+            # those rows are read, and nothing of the file outlives this load.
+            got = f.read(views=set(found))
         for k, t in got.items():
             if k in tensors or (k in pieces and k not in found):
                 raise FormatError(f"{d}: tensor {k!r} stored twice")

@@ -6,15 +6,18 @@ shape and dtype make, the ranges in order with no gap or overlap, and the file e
 as they say. Then each tensor is either read with ``preadv`` into a tensor the caller names (a
 module's own parameter: the bytes go from the file into the model in one copy, and several
 reads run at once on a large file, since they release the GIL; optimizer state the optimizer
-already holds is read the same way), or read the same way into a new tensor of its own. The
-file is never mapped: a view of a mapping would keep the whole file in memory for as long as
-any tensor of it lives (a restored file in ``/dev/shm`` for the whole run, after the agent
-removed it), and would copy each page again on its first write. A tensor named on a CUDA
+already holds is read the same way), or read the same way into a new tensor of its own. Only
+tensors the caller asks for as views (shards of a staged snapshot, which are cut to a rank's
+rows and copied at once) are views of a private, copy-on-write mapping of the file: a view
+keeps the whole file in memory for as long as any tensor of it lives (a restored file in
+``/dev/shm`` for the whole run, after the agent removed it), and copies each page again on
+its first write, so nothing that outlives the load is one. A tensor named on a CUDA
 device is read through pinned host buffers, a few megabytes at a time, each copied to the
 device asynchronously on a stream of the reading thread's own while the next is read.
 """
 
 import ctypes
+import mmap
 import os
 import stat
 import struct
@@ -63,6 +66,7 @@ class TensorFile:
 
     def __init__(self, path):
         self.path = path
+        self._map = None
         try:
             # Non-blocking: a FIFO in its place must not hang the open.
             self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -152,10 +156,13 @@ class TensorFile:
                                   f"{offset + len(mv)}: cut while it was read")
             done += n
 
-    def read(self, into=None):
+    def read(self, into=None, views=()):
         """Every tensor, name -> tensor: read into ``into[name]`` when given there (a contiguous
         CPU or CUDA tensor of its dtype and shape, which is returned for it; or a device, to
-        read into a new tensor there), else a new CPU tensor read from the file."""
+        read into a new tensor there), else a new CPU tensor read from the file; a name in
+        ``views`` is instead a view of the file's copy-on-write mapping (a new tensor where its
+        bytes are not aligned to its dtype), for a caller that copies what it needs of it
+        before the load ends."""
         import torch
 
         into = into or {}
@@ -172,6 +179,9 @@ class TensorFile:
                     if e.nbytes:
                         device_jobs.append((e, dest))
                     continue
+            elif e.name in views and e.nbytes and (self.data_start + e.start) % _DTYPES[e.dtype][1] == 0:
+                out[e.name] = self._view(e)
+                continue
             else:
                 dest = torch.empty(e.shape, dtype=e.torch_dtype())
             out[e.name] = dest
@@ -227,6 +237,17 @@ class TensorFile:
             for c in made:
                 c.finish()
 
+
+    def _view(self, e):
+        """Entry ``e`` as a view of the file's private mapping (made on first use): its pages
+        are the file's until written, then the writer's own."""
+        import torch
+
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_COPY)
+        numel = e.nbytes // _DTYPES[e.dtype][1]
+        return torch.frombuffer(self._map, dtype=e.torch_dtype(), count=numel,
+                                offset=self.data_start + e.start).reshape(e.shape)
 
     def _read_one(self, e, dest):
         mv = memoryview((ctypes.c_char * e.nbytes).from_address(dest.data_ptr())).cast("B")

@@ -22,6 +22,12 @@ sys.path.insert(0, CLIENT_DIR)
 import elastic_run as er  # noqa: E402
 
 
+def mapped_files():
+    """The files this process maps (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6}
+
+
 def read_json(path):
     with open(path) as f:
         return json.load(f)

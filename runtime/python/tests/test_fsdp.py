@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 from tests import test_client as tc
 
@@ -325,7 +326,19 @@ class FsdpState(tc.Env):
                                                    r"\[4, 7\) of a tensor of shape \[7, 6\] sharded.*plain tensor"):
             er.load({"model": model, "opt": opt, "progress": None}, resume_dir=staged)
         self.env(RANK=0, WORLD_SIZE=1)
-        self.assertEqual(er.load({"model": model, "opt": opt, "progress": None}, resume_dir=staged), 3)
+        from elastic_run import _read
+
+        real, seen = _read.TensorFile.read, []
+
+        def read(f, into=None, views=()):
+            seen.extend(views)
+            return real(f, into, views)
+
+        with mock.patch.object(_read.TensorFile, "read", read):
+            self.assertEqual(er.load({"model": model, "opt": opt, "progress": None}, resume_dir=staged), 3)
+        # The shards were cut from views of the files; nothing loaded is one.
+        self.assertIn("state/model/0.weight", seen)
+        self.assertFalse([p for p in tc.mapped_files() if p.startswith(staged)])
         names = {id(p): n for n, p in model.named_parameters()}
         got = {f"model/{n}": p for n, p in model.named_parameters()}
         got.update({f"opt/{names[id(p)]}/{k}": v for p, st in opt.state.items() for k, v in st.items()})

@@ -129,7 +129,7 @@ class Header(tc.TorchEnv):
                 self.assertIs(got[k], into[k])
         # The others are tensors of their own: the file is not mapped (a mapping would keep
         # all of it in memory while any of them lives), and writes stay in this process.
-        self.assertNotIn(path, mapped_files())
+        self.assertNotIn(path, tc.mapped_files())
         got["t1"].add_(1)
         got["t3"].zero_()
         with open(path, "rb") as f:
@@ -150,12 +150,6 @@ class Header(tc.TorchEnv):
         self.assertEqual(got["f"].tolist(), [1.5, -2.0])
         self.assertEqual(got["f"].data_ptr() % 4, 0)
         self.assertEqual(got["b"].tolist(), [True, False, True])
-
-
-def mapped_files():
-    """The files this process maps (``/proc/self/maps``)."""
-    with open("/proc/self/maps") as f:
-        return {line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6}
 
 
 class InPlace(tc.Restores):
@@ -217,7 +211,7 @@ class InPlace(tc.Restores):
             er.load(model=fresh, optimizer=fresh_opt)
         self.assertEqual(sorted(calls[0]), sorted(f"model/{k}" for k in fresh.state_dict()))
         # Its state is tensors of its own, not of the restored file, which the agent removes.
-        self.assertFalse([p for p in mapped_files() if p.startswith(out)])
+        self.assertFalse([p for p in tc.mapped_files() if p.startswith(out)])
         for i, st in opt.state_dict()["state"].items():
             for k, v in st.items():
                 self.assertTrue(torch.equal(v, fresh_opt.state_dict()["state"][i][k]), (i, k))
