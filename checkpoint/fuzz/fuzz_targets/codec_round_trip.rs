@@ -1,16 +1,18 @@
 //! Structured round trip: every input encodes and decodes back to itself with every plane
 //! width, by this build's encoder and format 2's, whole and in blocks from stored bytes that
-//! arrive in pieces of any size (with the blocks' checksum that of the input), and each
+//! arrive in pieces of any size (with the blocks' checksum that of the input, and, summed by
+//! check block, every sum the manifest would hold: stored, decoded and per block), and each
 //! `zstd-blocks` block alone from its stored bytes; decoding arbitrary bytes under an
-//! arbitrary codec, whole or in pieces and blocks or one `zstd-blocks` block, never panics,
-//! and where both succeed they agree.
+//! arbitrary codec, whole or in pieces and blocks or one `zstd-blocks` block, summed whole or
+//! by check block, never panics, and where they succeed they agree.
 #![no_main]
 
 use arbitrary::Arbitrary;
 use checkpoint::codec::{
-    BlockDecoder, Codec, PlaneEntry, block_raw_range, decode, decode_blocks, encode,
-    encode_format2,
+    BlockDecoder, ChunkDecoder, Codec, PlaneEntry, block_raw_range, decode, decode_blocks,
+    encode, encode_format2,
 };
+use checkpoint::format::BlockCrcs;
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Arbitrary, Debug)]
@@ -36,6 +38,14 @@ fuzz_target!(|i: Input| {
         let (got, crc) = blocks(&stored, &codec, n, block, piece).unwrap();
         assert_eq!(got, i.data);
         assert_eq!(crc, crc32c::crc32c(&i.data));
+        let (got, sums) = summed_by_block(&stored, &codec, n, block, piece).unwrap();
+        assert_eq!(got, i.data);
+        let mut want = BlockCrcs::default();
+        want.push(&i.data);
+        let (decoded, per_block) = want.finish();
+        assert_eq!(sums.decoded, decoded);
+        assert_eq!(sums.blocks, Some(per_block));
+        assert_eq!(sums.stored, crc32c::crc32c(&stored));
         if let Codec::ZstdBlocks { width, .. } = &codec {
             let mut dec = BlockDecoder::new(*width).unwrap();
             for (b, (s0, s1)) in codec.stored_blocks(n).unwrap().into_iter().enumerate() {
@@ -71,8 +81,14 @@ fuzz_target!(|i: Input| {
     };
     let whole = decode(&i.garbage, &codec, raw_bytes);
     let streamed = blocks(&i.garbage, &codec, raw_bytes, block, piece);
-    if let (Ok(a), Ok((b, _))) = (whole, streamed) {
+    let by_block = summed_by_block(&i.garbage, &codec, raw_bytes, block, piece);
+    if let (Ok(a), Ok((b, _))) = (&whole, &streamed) {
         assert_eq!(a, b);
+    }
+    if let (Ok((a, crc)), Ok((b, sums))) = (&streamed, &by_block) {
+        assert_eq!(a, b);
+        assert_eq!(*crc, sums.decoded);
+        assert_eq!(sums.stored, crc32c::crc32c(&i.garbage));
     }
     // One block of arbitrary stored bytes, as a ranged read decodes it before its checksum.
     if let Ok(mut dec) = BlockDecoder::new(i.width) {
@@ -98,4 +114,29 @@ fn blocks(
     })
     .map_err(|_| ())?;
     Ok((out, crc))
+}
+
+/// Every block a [`ChunkDecoder`] summing by check block hands over, in order, and the
+/// checksums it returns.
+fn summed_by_block(
+    stored: &[u8],
+    codec: &Codec,
+    raw: u64,
+    block: usize,
+    piece: usize,
+) -> Result<(Vec<u8>, checkpoint::codec::Checksums), ()> {
+    let mut d = ChunkDecoder::new(codec, raw, stored.len() as u64, block).map_err(|_| ())?;
+    d.sum_blocks();
+    let mut out = Vec::new();
+    let mut sink = |at: u64, b: &[u8]| {
+        assert_eq!(at, out.len() as u64);
+        out.extend_from_slice(b);
+        Ok::<_, ()>(())
+    };
+    for p in stored.chunks(piece) {
+        d.push(bytes::Bytes::copy_from_slice(p), &mut sink)
+            .map_err(|_| ())?;
+    }
+    let sums = d.finish(&mut sink).map_err(|_| ())?;
+    Ok((out, sums))
 }
