@@ -167,11 +167,17 @@ class InPlace(tc.Restores):
 
         return calls, mock.patch.object(_read.TensorFile, "read", read)
 
-    def test_the_model_form_reads_into_the_parameters(self):
-        torch = self.torch
+    def restored(self):
+        """A step saved by a world of 2, restored for rank 0 of 1 as the agent lays it out, and
+        the environment set to load it: the model, optimizer and restore directory."""
         model, opt, staged = self.stage()
         out = self.restore(staged, world=1)
         self.env(ELASTIC_RESUME_DIR=out, ELASTIC_RESUME_STEP=7, RANK=0, WORLD_SIZE=1)
+        return model, opt, out
+
+    def test_the_model_form_reads_into_the_parameters(self):
+        torch = self.torch
+        model, opt, out = self.restored()
         fresh, fresh_opt = self.make(1)
         ptrs = [p.data_ptr() for p in fresh.parameters()]
         state_ptrs = self.state_ptrs(fresh_opt)
@@ -200,9 +206,7 @@ class InPlace(tc.Restores):
 
     def test_a_fresh_optimizer_gets_its_state_from_the_file_and_a_mismatched_one_is_not_read_into(self):
         torch = self.torch
-        model, opt, staged = self.stage()
-        out = self.restore(staged, world=1)
-        self.env(ELASTIC_RESUME_DIR=out, ELASTIC_RESUME_STEP=7, RANK=0, WORLD_SIZE=1)
+        model, opt, out = self.restored()
         fresh, _ = self.make(1)
         # Without state yet: only the parameters are read into.
         fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
