@@ -7,7 +7,7 @@ import stat
 
 from . import _read, _tree, protocol
 from ._env import heal_step, rank, resume_step, world_size
-from ._save import _state_form, _unwrap
+from ._save import _state_form, _unwrap, wait
 from .protocol import (
     _META,
     _RESTORED,
@@ -52,8 +52,11 @@ def load(state=None, optimizer=None, resume_dir=None, *, model=None, strict=True
     restoring its step (``$ELASTIC_HEAL_STEP``: live peers hold it, which
     :class:`elastic_run.InPlace` takes from them) has the agent restore it first. Raises :class:`FormatError` (a ``ValueError``)
     on malformed metadata or tensor files, an unknown format version, a step that does not
-    match, or a directory that is neither layout."""
+    match, or a directory that is neither layout. A pending :func:`async_save` is finished
+    first (and its error, if any, raised here): the load writes into the tensors it reads."""
     state, model = _state_form("load", state, model, optimizer, None)
+    # The load writes into the tensors a pending async_save may still be reading.
+    wait()
     from_env = resume_dir is None
     d = resume_dir or os.environ.get("ELASTIC_RESUME_DIR")
     if not d and from_env and heal_step() is not None:

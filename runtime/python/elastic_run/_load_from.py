@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 import urllib.parse
 
-from . import _load, _tree
+from . import _load, _save, _tree
 from ._env import rank, world_size
 from .protocol import _RESTORED, _RESTORED_META, FormatError, _describe
 
@@ -67,6 +67,8 @@ def load_from(source, state, step=None, *, strict=True):
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"elastic_run.load_from: step {_describe(step)} is not a step number")
     src = os.fspath(source)
+    # The load writes into the tensors a pending async_save may still be reading.
+    _save.wait()
     if _is_url(src):
         return _from_store(src, state, step, strict)
     if not os.path.isdir(src):

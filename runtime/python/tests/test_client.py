@@ -442,6 +442,43 @@ class AsyncSaves(TorchEnv):
         # The model itself has moved on since.
         self.assertFalse(torch.equal(model.state_dict()["0.weight"], before["0.weight"]))
 
+    def test_a_load_waits_for_the_pending_write_before_it_changes_the_state(self):
+        torch = self.torch
+        staging = self.setup_env()
+        model, opt = self.make(0)
+        er.save(1, model=model, optimizer=opt)
+        x = torch.randn(4, 8)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        before, before_opt = self.state_of(model, opt)
+        go = threading.Event()
+        write = er._save._write_safetensors
+
+        def gated(*a, **kw):
+            self.assertTrue(go.wait(10))
+            return write(*a, **kw)
+
+        with mock.patch.object(er._save, "_write_safetensors", gated):
+            pending = er.async_save(2, model=model, optimizer=opt)
+            # Loading step 1 writes into the tensors the pending write still reads: it waits.
+            loader = threading.Thread(target=er.load, kwargs=dict(
+                model=model, optimizer=opt, resume_dir=os.path.join(staging, "step-1")))
+            loader.start()
+            loader.join(0.3)
+            self.assertTrue(loader.is_alive())
+            go.set()
+            loader.join(10)
+        self.assertFalse(loader.is_alive())
+        self.assertTrue(pending.done())
+        fresh, fresh_opt = self.make(1)
+        er.load(model=fresh, optimizer=fresh_opt, resume_dir=os.path.join(staging, "step-2"))
+        after, after_opt = self.state_of(fresh, fresh_opt)
+        for k in before:
+            self.assertTrue(torch.equal(after[k], before[k]), k)
+        for k in before_opt:
+            self.assertTrue(torch.equal(after_opt[k], before_opt[k]), k)
+
     def test_a_failed_write_is_raised_at_the_next_step(self):
         staging = self.setup_env()
         model, opt = self.make(0)
