@@ -389,6 +389,17 @@ class AsyncSaves(TorchEnv):
         osd = opt.state_dict()["state"]
         return sd, {(i, n): v.clone() for i, st in osd.items() for n, v in st.items() if self.torch.is_tensor(v)}
 
+    def gated_writes(self):
+        """An event, and a patch under which every snapshot write waits for it (10 s at most)."""
+        go = threading.Event()
+        write = er._save._write_safetensors
+
+        def gated(*a, **kw):
+            self.assertTrue(go.wait(10))
+            return write(*a, **kw)
+
+        return go, mock.patch.object(er._save, "_write_safetensors", gated)
+
     def test_returns_before_the_write_and_the_step_after_waits_for_it(self):
         torch = self.torch
         path = os.path.join(self.tmp.name, "a.sock")
@@ -405,14 +416,8 @@ class AsyncSaves(TorchEnv):
         opt.step()
         before, before_opt = self.state_of(model, opt)
         # The writer starts writing only once the forward below has run.
-        go = threading.Event()
-        write = er._save._write_safetensors
-
-        def gated(*a, **kw):
-            self.assertTrue(go.wait(10))
-            return write(*a, **kw)
-
-        with mock.patch.object(er._save, "_write_safetensors", gated):
+        go, gated = self.gated_writes()
+        with gated:
             pending = er.async_save(3, model=model, optimizer=opt, extra={"data_pos": 9, "rng": torch.ones(2)})
             self.assertFalse(pending.done())
             # Training goes on: forward changes BatchNorm's running statistics (copied at the
@@ -452,14 +457,8 @@ class AsyncSaves(TorchEnv):
         model(x).pow(2).mean().backward()
         opt.step()
         before, before_opt = self.state_of(model, opt)
-        go = threading.Event()
-        write = er._save._write_safetensors
-
-        def gated(*a, **kw):
-            self.assertTrue(go.wait(10))
-            return write(*a, **kw)
-
-        with mock.patch.object(er._save, "_write_safetensors", gated):
+        go, gated = self.gated_writes()
+        with gated:
             pending = er.async_save(2, model=model, optimizer=opt)
             # Loading step 1 writes into the tensors the pending write still reads: it waits.
             loader = threading.Thread(target=er.load, kwargs=dict(
