@@ -15,6 +15,7 @@ Every load is checked against the saved state.
 checkout of each. Rust tools come from $ELASTIC_CKPT and $BENCH_STORE (bench/build.sh). Prints one JSON object per measurement on stdout.
 """
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -111,8 +112,6 @@ def main():
                    ("dcp.load via get_state_dict/set_state_dict into a fresh model and Adam (file)", m_dcp)]
         for rep in range(-1, a.reps):
             for name, fn in methods if rep % 2 else methods[::-1]:
-                import gc
-
                 gc.collect()
                 base_shm = shmem_mib()
                 r = fn(rep)
