@@ -767,7 +767,8 @@ def optimizer_destinations(state, skeleton, entries, taken):
     :func:`state_destinations` finds it for each optimizer the checkpoint saved."""
     out = {}
     for optimizer, param_of, items in _saved_optimizers(state, skeleton):
-        out.update(state_destinations(optimizer, param_of, items, entries, taken))
+        # Against what earlier optimizers were given too: no two read into one tensor.
+        out.update(state_destinations(optimizer, param_of, items, entries, {**taken, **out}))
     return out
 
 

@@ -252,6 +252,35 @@ class InPlace(tc.Restores):
             for k, v in st.items():
                 self.assertTrue(torch.equal(v, fresh_opt.state_dict()["state"][i][k]), (i, k))
 
+    def test_two_optimizers_never_read_into_one_tensor(self):
+        torch = self.torch
+
+        def two(seed):
+            torch.manual_seed(seed)
+            a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+            oa, ob = torch.optim.Adam(a.parameters(), lr=0.01), torch.optim.Adam(b.parameters(), lr=0.01)
+            for m, o in ((a, oa), (b, ob)):
+                m(torch.randn(2, 4)).pow(2).sum().backward()
+                o.step()
+            return {"a": a, "b": b, "oa": oa, "ob": ob}
+
+        saved = two(0)
+        out = self.stage_state(saved)
+        fresh = two(1)
+        # The second optimizer's state for b.weight is the very tensor the first holds for
+        # a.weight: one of the two is read into, and the other gets a tensor of its own.
+        wa, wb = fresh["a"].weight, fresh["b"].weight
+        fresh["ob"].state[wb]["exp_avg"] = fresh["oa"].state[wa]["exp_avg"]
+        calls, patch = self.reads()
+        with patch:
+            self.assertEqual(er.load(fresh, resume_dir=out), 7)
+        ptrs = [t.untyped_storage().data_ptr() for t in calls[0].values()]
+        self.assertEqual(len(ptrs), len(set(ptrs)))
+        for k in ("oa", "ob"):
+            for i, st in saved[k].state_dict()["state"].items():
+                for name, v in st.items():
+                    self.assertTrue(torch.equal(v, fresh[k].state_dict()["state"][i][name]), (k, i, name))
+
     def stage_state(self, state, step=7):
         staging = os.path.join(self.tmp.name, "staging")
         self.env(ELASTIC_STAGING_DIR=staging, RANK=0, WORLD_SIZE=1)
