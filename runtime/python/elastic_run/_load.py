@@ -186,11 +186,8 @@ def _into(state, model, optimizer, strict, shards, where):
             return None
         param_of = _tree.saved_params(optimizer, rest.get("optim_param_groups")) if optimizer is not None else None
         if param_of is not None:
-            items = []
-            for k in entries:
-                parts = k.split("/", 3)
-                if k.startswith("optim/state/") and len(parts) == 4 and _is_index_text(parts[2]) and parts[3]:
-                    items.append((int(parts[2]), parts[3], k))
+            # Malformed names are not read into here; _apply raises on them.
+            items = [(*at, k) for k, at in ((k, _optim_state_key(k)) for k in entries) if at]
             out.update(_tree.state_destinations(optimizer, param_of, items, entries, out))
         return out
 
@@ -416,9 +413,21 @@ def _apply(tensors, rest, model, optimizer, where):
         for idx, st in (rest.get("optim_state") or {}).items():
             state.setdefault(int(idx), {}).update(st)
         for k, v in tensors.items():
-            if k.startswith("optim/state/"):
-                parts = k.split("/", 3)
-                if len(parts) != 4 or not _is_index_text(parts[2]) or not parts[3]:
-                    raise FormatError(f"{where}: tensor {_describe(k)} is not optim/state/<index>/<name>")
-                state.setdefault(int(parts[2]), {})[parts[3]] = v
+            at = _optim_state_key(k)
+            if at is False:
+                raise FormatError(f"{where}: tensor {_describe(k)} is not optim/state/<index>/<name>")
+            if at is not None:
+                state.setdefault(at[0], {})[at[1]] = v
         optimizer.load_state_dict({"state": state, "param_groups": rest.get("optim_param_groups") or []})
+
+
+def _optim_state_key(key):
+    """``(parameter index, state name)`` of tensor name ``optim/state/<index>/<name>`` of the
+    model form; None for a name outside ``optim/state/``, False for one inside it that is
+    malformed."""
+    if not key.startswith("optim/state/"):
+        return None
+    parts = key.split("/", 3)
+    if len(parts) != 4 or not _is_index_text(parts[2]) or not parts[3]:
+        return False
+    return int(parts[2]), parts[3]
