@@ -171,7 +171,7 @@ def _into(state, model, optimizer, strict, shards, where):
     def state_form(rest, entries):
         _tree.apply(state, rest, _meta_tensors(entries), where, strict=strict, shards=shards, dry_run=True)
         out = _tree.destinations(state, rest, entries, shards)
-        out.update(_tree.optimizer_destinations(state, rest, entries, out))
+        out.update(_tree.optimizer_destinations(state, rest, entries, out, shards))
         return {**_tree.device_hints(state, rest, entries), **out}
 
     def model_form(rest, entries):

@@ -762,26 +762,28 @@ def device_hints(state, skeleton, entries):
     return out
 
 
-def optimizer_destinations(state, skeleton, entries, taken):
+def optimizer_destinations(state, skeleton, entries, taken, shards=None):
     """The optimizer state of ``state`` that a checkpoint can be read straight into, as
     :func:`state_destinations` finds it for each optimizer the checkpoint saved."""
     out = {}
     for optimizer, param_of, items in _saved_optimizers(state, skeleton):
         # Against what earlier optimizers were given too: no two read into one tensor.
-        out.update(state_destinations(optimizer, param_of, items, entries, {**taken, **out}))
+        out.update(state_destinations(optimizer, param_of, items, entries, {**taken, **out}, shards))
     return out
 
 
-def state_destinations(optimizer, param_of, items, entries, taken):
+def state_destinations(optimizer, param_of, items, entries, taken, shards=None):
     """The tensors ``optimizer`` already holds as state that checkpoint tensors can be read
     straight into: for each ``(index, name, tensor name)`` of ``items``, the state ``name`` of
     the parameter ``param_of[index]`` where the optimizer holds it as a tensor that fits the
     entry as it is (:func:`_read.fits`). Reading into them copies the bytes once, as into a
     parameter: ``load_state_dict`` then keeps the same tensors, and nothing is allocated or
     freed. An optimizer without state yet (a fresh one) gets new tensors read from the file
-    instead. ``taken`` (destinations already chosen, name -> tensor) and what this
-    returns never share memory with each other or with a parameter: a tensor that does is left
-    to be read as before."""
+    instead. With ``shards`` (the file's shard declarations: the state form), state held as a
+    DTensor (FSDP2's) is read into too, into its local tensor, where that holds exactly the
+    rows the checkpoint holds for this rank (:func:`_local_destination`). ``taken``
+    (destinations already chosen, name -> tensor) and what this returns never share memory
+    with each other or with a parameter: a tensor that does is left to be read as before."""
     from ._read import fits
 
     used = {_storage_of(t) for t in [*taken.values(), *param_of.values()]} - {None}
@@ -791,7 +793,9 @@ def state_destinations(optimizer, param_of, items, entries, taken):
         current = optimizer.state.get(p, {}).get(k) if p is not None else None
         if ent is None or current is None or key in out or key in taken or not is_tensor(current):
             continue
-        if not ent.nbytes or not fits(current, ent):
+        if is_dtensor(current):
+            current = _local_destination(current, shards.get(key)) if shards is not None else None
+        if current is None or not ent.nbytes or not fits(current, ent):
             continue
         ptr = _storage_of(current)
         if ptr is None or ptr in used:
@@ -802,10 +806,12 @@ def state_destinations(optimizer, param_of, items, entries, taken):
 
 
 def _storage_of(t):
-    """Where the memory of plain tensor ``t`` starts (None for anything else: a DTensor holds
-    its memory in its local tensor)."""
+    """Where the memory of tensor ``t`` starts: a DTensor's is its local tensor's (None for
+    anything but a tensor)."""
     import torch
 
+    if is_dtensor(t):
+        t = t.to_local()
     return t.untyped_storage().data_ptr() if type(t) in (torch.Tensor, torch.nn.Parameter) else None
 
 

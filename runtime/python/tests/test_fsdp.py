@@ -93,15 +93,27 @@ def save_phase():
     return {"saved": saved, "after": digests(model, opt), "local_shapes": locals_}
 
 
+def local_ptrs(model, opt):
+    # Where this rank's part of each parameter and optimizer state tensor lives.
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {f"model/{n}": p.to_local().data_ptr() for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            out[f"opt/{names[id(p)]}/{k}"] = (v.to_local() if isinstance(v, DTensor) else v).data_ptr()
+    return out
+
+
 def load_phase(resume_dir):
     model, opt = build(1)
     train(model, opt, 1)  # other weights and optimizer state than the saved ones
     before = digests(model, opt)
+    ptrs = local_ptrs(model, opt)
     state = {"model": model, "opt": opt, "progress": None}
     step = er.load(state, resume_dir=resume_dir)
     loaded = digests(model, opt)
+    kept = sorted(k for k, v in local_ptrs(model, opt).items() if ptrs.get(k) == v)
     train(model, opt, 4)  # the loaded state trains on
-    return {"step": step, "progress": state["progress"], "before": before, "loaded": loaded}
+    return {"step": step, "progress": state["progress"], "before": before, "loaded": loaded, "kept": kept}
 
 
 def placements():
@@ -255,6 +267,14 @@ class FsdpState(tc.Env):
             self.assertEqual(got["progress"], {"step": 3}, phase)
             self.assertNotEqual(got["before"], saved, f"{phase}: the check must be able to fail")
             self.assertEqual(got["loaded"], saved, phase)
+
+    def test_a_restore_is_read_into_the_local_tensors_the_model_and_optimizer_hold(self):
+        # Rank 0 of 3 holds rows of every tensor: each parameter, moment and step count keeps
+        # its memory, the bytes read straight into it.
+        saved = sorted(self.report["save"]["saved"])
+        self.assertEqual(self.report["load3_restored"]["kept"], saved)
+        # A staged snapshot is put together first: only the parameters are copied into.
+        self.assertEqual(self.report["load3"]["kept"], [k for k in saved if k.startswith("model/")])
 
     def test_a_replicated_dtensor_is_saved_once_whole_and_loads_into_a_replicated_dtensor(self):
         ref = self.report["placements"]
