@@ -95,6 +95,25 @@ def rm(path):
 # --- fsdp -------------------------------------------------------------------------------------
 
 
+def _status_bytes(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak_reset():
+    """Resets this process's peak RSS to its RSS now (Linux's clear_refs 5) and returns that."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmRSS")
+
+
+def peak_rss():
+    return _status_bytes("VmHWM")
+
+
 def fsdp_worker(rank, world, port, a, q):
     """One rank of the FSDP2 benchmark; rank 0 sends each measurement to q."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -144,26 +163,35 @@ def fsdp_worker(rank, world, port, a, q):
 
         def timed(fn):
             dist.barrier()
+            rss0 = peak_reset()
             t = time.perf_counter()
             extra = fn() or {}
+            dt = time.perf_counter() - t
+            rise = peak_rss() - rss0
             dist.barrier()
-            return {"s": time.perf_counter() - t, **extra}
+            return {"s": dt, "peak_rss_rise_mib": rise / 2**20, **extra}
 
         steps = iter(range(1, 10**6))
 
         def er_save():
             step = next(steps)
             os.environ["ELASTIC_STAGING_DIR"] = base
+            t0 = time.perf_counter()
             er.save(step, state)
             dist.barrier()
+            t1 = time.perf_counter()
             if rank == 0:
+                # The store keeps only this step, as the DCP directory holds only the last save:
+                # the steps before would fill the page cache over the repetitions.
+                rm(os.path.join(disk, "store"))
                 skeleton = json.load(open(os.path.join(base, f"step-{step}", "rank-0", "meta.json")))["state"]
                 subprocess.run([ckpt, "--json", "push", os.path.join(base, f"step-{step}"), url, "--step", str(step),
                                 "--world-size", str(world), "--metadata", json.dumps({"state": skeleton})],
                                check=True, capture_output=True)
             dist.barrier()
+            t2 = time.perf_counter()
             rm(os.path.join(base, f"step-{step}"))
-            return {"step": step}
+            return {"step": step, "stage_s": t1 - t0, "push_s": t2 - t1}
 
         def dcp_save():
             rm(dcp_dir)
@@ -199,7 +227,8 @@ def fsdp_worker(rank, world, port, a, q):
                 r = timed(fn)
                 if rank == 0 and rep >= 0:
                     q.put({"bench": "fsdp", "size_gib": a.size_gib, "state_bytes": int(nbytes), "method": name,
-                           "kind": kind, "rep": rep, "world": world, "seconds": r["s"]})
+                           "kind": kind, "rep": rep, "world": world, "seconds": r["s"],
+                           **{k: v for k, v in r.items() if k != "s"}})
             # Restores read what the last saves wrote (both stores hold the same state).
             for name, kind, fn in common.rotate(restores, rep):
                 gc.collect()
