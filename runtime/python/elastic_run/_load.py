@@ -186,8 +186,11 @@ def _into(state, model, optimizer, strict, shards, where):
             return None
         param_of = _tree.saved_params(optimizer, rest.get("optim_param_groups")) if optimizer is not None else None
         if param_of is not None:
-            # Malformed names are not read into here; _apply raises on them.
-            items = [(*at, k) for k, at in ((k, _optim_state_key(k)) for k in entries) if at]
+            items = []
+            for k in entries:
+                at = _optim_state_key(k)
+                if at:  # malformed names are not read into here; _apply raises on them
+                    items.append((*at, k))
             out.update(_tree.state_destinations(optimizer, param_of, items, entries, out))
         return out
 
