@@ -575,7 +575,7 @@ impl Store {
         };
         let plan = plan(&m, key, shard_bytes_max).map_err(refused)?;
         let layout = layout(&m, &plan, key).map_err(refused)?;
-        self.materialize(&m, layout, dest, RootLink::Refuse, opts, cancel)
+        self.materialize(&m, layout, None, dest, RootLink::Refuse, opts, cancel)
             .await?;
         let tensors = plan.files.iter().map(|f| f.tensors.len()).sum();
         tracing::info!(

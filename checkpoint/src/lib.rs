@@ -126,7 +126,7 @@ pub mod store;
 pub use error::{Error, Result};
 pub use export::ExportReport;
 pub use format::{Manifest, PartRecord, ShardSpec};
-pub use restore::{ReadOptions, RestoreReport};
+pub use restore::{ReadEvent, ReadEvents, ReadOptions, RestoreReport};
 pub use retention::RetentionPolicy;
 pub use save::{CommitOutcome, CommitRequest, Compression, PartInput, PartSource, SaveOptions};
 pub use store::{ReadStats, Store, StoreOptions};

@@ -275,6 +275,11 @@ impl DurableFile {
         })
     }
 
+    /// The temporary name the file is written under until [`DurableFile::commit`].
+    pub fn tmp_path(&self) -> &Path {
+        &self.tmp
+    }
+
     pub fn set_len(&self, len: u64) -> Result<()> {
         self.file.set_len(len).map_err(|e| Error::io(&self.tmp, e))
     }

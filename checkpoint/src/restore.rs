@@ -35,6 +35,7 @@ mod write;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
@@ -62,6 +63,8 @@ pub struct ReadOptions {
     /// Chunks fetched at once.
     pub concurrency: usize,
     pub progress: Option<Progress>,
+    /// Told what is ready as the read goes ([`ReadEvent`]).
+    pub events: Option<ReadEvents>,
 }
 
 impl Default for ReadOptions {
@@ -69,9 +72,47 @@ impl Default for ReadOptions {
         Self {
             concurrency: 8,
             progress: None,
+            events: None,
         }
     }
 }
+
+/// What a read reports while it runs, for a reader that uses the output before the read ends
+/// (`elastic-ckpt restore --events`, which `elastic_run.load_from` reads). A step's events
+/// come in this order: `Step`, one `File` for each output, then `Ready`s, as chunks come in;
+/// and `Failed` if the step's read fails. A restore that falls back then starts again with the
+/// older step's `Step`. Only a read that ends without error has delivered the step: what
+/// was ready of a failed step is to be dropped, whatever was read of it.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum ReadEvent {
+    /// A step's read begins. For a restore, `metadata` is the JSON that its
+    /// `metadata.json` will hold.
+    Step {
+        step: u64,
+        metadata: Option<serde_json::Value>,
+    },
+    /// Output `name` exists under its temporary name `path`, at its full length of `bytes`,
+    /// with its length prefix and header written: it can be opened and its header read.
+    File {
+        step: u64,
+        name: String,
+        path: PathBuf,
+        bytes: u64,
+    },
+    /// Byte ranges `[offset, length]` of output `name` are written, and every checksum over
+    /// the chunks they came from was checked.
+    Ready {
+        step: u64,
+        name: String,
+        ranges: Vec<[u64; 2]>,
+    },
+    /// The step's read failed: its temporary outputs are gone.
+    Failed { step: u64, error: String },
+}
+
+/// Receives a read's [`ReadEvent`]s, from any of its threads.
+pub type ReadEvents = Arc<dyn Fn(&ReadEvent) + Send + Sync>;
 
 /// What a restore wrote.
 #[derive(Debug, Clone, Serialize)]
@@ -137,7 +178,7 @@ impl Store {
                 prefix,
             });
         }
-        self.materialize(&m, layout, dest, RootLink::Follow, opts, cancel)
+        self.materialize(&m, layout, None, dest, RootLink::Follow, opts, cancel)
             .await?;
         Ok(m)
     }
@@ -276,12 +317,20 @@ impl Store {
             }],
             copies: ops,
         };
-        self.materialize(&m, layout, dest, RootLink::Follow, opts, cancel)
-            .await?;
         let meta = serde_json::json!({
             "step": step, "rank": rank, "world_size": world,
             "saved_world_size": m.world_size, "metadata": m.metadata,
         });
+        self.materialize(
+            &m,
+            layout,
+            Some(&meta),
+            dest,
+            RootLink::Follow,
+            opts,
+            cancel,
+        )
+        .await?;
         let meta_path = dest.join(RESTORE_METADATA_FILE);
         let meta_bytes = serde_json::to_vec_pretty(&meta).expect("json");
         tokio::task::spawn_blocking(move || write_file_durable(&meta_path, &meta_bytes))

@@ -111,6 +111,17 @@ enum Cmd {
         rank: u32,
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         world_size: u32,
+        /// Print what is ready as it comes, one JSON object a line on stdout, before the
+        /// report: `{"event": "step", "step", "metadata"}` as a step's read begins (the
+        /// metadata.json it will have); `{"event": "file", "step", "name", "path", "bytes"}`
+        /// once the state file exists at its full length under its temporary PATH, its header
+        /// written; `{"event": "ready", "step", "name", "ranges": [[offset, length], ...]}` as
+        /// byte ranges of it are written and checked; `{"event": "failed", "step", "error"}`
+        /// when that step does not restore (its temporary file is gone; an older step may
+        /// follow). A reader may load from PATH while the restore goes on; only a run that
+        /// exits 0 has restored the last step named.
+        #[arg(long)]
+        events: bool,
     },
     /// List committed steps (with --all, uncommitted leftovers too).
     Ls {
@@ -252,8 +263,13 @@ async fn progress_len(
     })
 }
 
+/// Whether a long transfer shows a progress bar: not under `--json`, and only on a terminal.
+fn shows_bar(json: bool) -> bool {
+    !json && std::io::stderr().is_terminal()
+}
+
 fn bar(json: bool, len: u64, what: &str) -> (ProgressBar, Option<Progress>) {
-    if json || !std::io::stderr().is_terminal() {
+    if !shows_bar(json) {
         return (ProgressBar::hidden(), None);
     }
     let pb = ProgressBar::new(len);
@@ -445,6 +461,7 @@ async fn run(cli: Cli) -> Result<()> {
                     let opts = ReadOptions {
                         concurrency,
                         progress,
+                        events: None,
                     };
                     let m = store.pull(step, &dir, &opts, &cancel).await?;
                     pb.finish_and_clear();
@@ -456,6 +473,7 @@ async fn run(cli: Cli) -> Result<()> {
                     let opts = ReadOptions {
                         concurrency,
                         progress,
+                        events: None,
                     };
                     let r = store.pull_newest(&dir, &opts, &cancel).await?;
                     pb.finish_and_clear();
@@ -500,6 +518,7 @@ async fn run(cli: Cli) -> Result<()> {
             let opts = ReadOptions {
                 concurrency,
                 progress,
+                events: None,
             };
             let report = store
                 .export(step, &key, &dir, max_shard_size, &opts, &cancel)
@@ -531,15 +550,34 @@ async fn run(cli: Cli) -> Result<()> {
             step,
             rank,
             world_size,
+            events,
         } => {
             checkpoint::restore::check_fresh_dir(&dir, "restore target")?;
+            if events && dir.to_str().is_none() {
+                bail!(
+                    "restore target {}: --events names files by their paths in JSON, which needs a UTF-8 path",
+                    dir.display()
+                );
+            }
             let store = open(&url)?;
             // The whole step at most: a rank's share of sharded tensors is less.
-            let len = progress_len(&store, step, &cancel, Manifest::raw_bytes).await?;
+            let len = if shows_bar(json) {
+                progress_len(&store, step, &cancel, Manifest::raw_bytes).await?
+            } else {
+                0
+            };
             let (pb, progress) = bar(json, len, "restore");
             let opts = ReadOptions {
                 concurrency,
                 progress,
+                events: events.then(|| -> checkpoint::ReadEvents {
+                    std::sync::Arc::new(|ev: &checkpoint::ReadEvent| {
+                        // One line each, whole: stdout's lock is held for the line.
+                        if let Ok(line) = serde_json::to_string(ev) {
+                            println!("{line}");
+                        }
+                    })
+                }),
             };
             let report = store
                 .restore(step, rank, world_size, &dir, &opts, &cancel)
@@ -676,6 +714,7 @@ async fn run(cli: Cli) -> Result<()> {
             let opts = ReadOptions {
                 concurrency,
                 progress,
+                events: None,
             };
             let report = store.verify(step, &opts, &cancel).await?;
             pb.finish_and_clear();
@@ -756,6 +795,7 @@ async fn run(cli: Cli) -> Result<()> {
                 let opts = ReadOptions {
                     concurrency,
                     progress,
+                    events: None,
                 };
                 from.copy_step(&to, *s, &opts, &cancel)
                     .await

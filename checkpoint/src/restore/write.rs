@@ -8,7 +8,7 @@ use std::sync::Arc;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use super::ReadOptions;
+use super::{ReadEvent, ReadOptions};
 use crate::codec::Codec;
 use crate::error::{Error, Result};
 use crate::format::{FileEntry, Manifest, ObjectEntry};
@@ -78,26 +78,42 @@ impl Store {
     /// never a whole file or tensor. Files appear only complete (temp + rename), and none is
     /// renamed into place before every one is written, so a failed read leaves none of them
     /// behind. `root_link` says whether `dest` itself may be a symlink. Progress counts the
-    /// bytes written.
+    /// bytes written; `opts.events` hears of the step (with `metadata`), its files and each
+    /// chunk's bytes once they are checked and written, and of a failure.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn materialize(
         &self,
         m: &Manifest,
         layout: Layout,
+        metadata: Option<&serde_json::Value>,
         dest: &Path,
         root_link: RootLink,
         opts: &ReadOptions,
         cancel: &CancellationToken,
     ) -> Result<()> {
         crate::local::create_dir_private(dest)?;
+        if let Some(ev) = &opts.events {
+            ev(&ReadEvent::Step {
+                step: m.step,
+                metadata: metadata.cloned(),
+            });
+        }
         // Directories made for this step, removed again (when still empty) if it fails, so a
         // failed step leaves nothing behind for a fallback to mix with.
         let mut made_dirs = Vec::new();
         let r = self
             .materialize_into(m, layout, dest, root_link, opts, cancel, &mut made_dirs)
             .await;
-        if r.is_err() {
+        if let Err(e) = &r {
             for d in made_dirs.iter().rev() {
                 let _ = std::fs::remove_dir(d);
+            }
+            // The temporary files are gone by now: `materialize_into` dropped them.
+            if let Some(ev) = &opts.events {
+                ev(&ReadEvent::Failed {
+                    step: m.step,
+                    error: format!("{e:#}"),
+                });
             }
         }
         r
@@ -126,9 +142,18 @@ impl Store {
             made_dirs.extend(f.created_dirs.iter().cloned());
             f.set_len(o.total_bytes)?;
             f.write_at(&o.prefix, 0)?;
+            if let Some(ev) = &opts.events {
+                ev(&ReadEvent::File {
+                    step: m.step,
+                    name: o.rel.clone(),
+                    path: f.tmp_path().to_path_buf(),
+                    bytes: o.total_bytes,
+                });
+            }
             files.push(f);
         }
         let files = Arc::new(files);
+        let outs = &outs;
         let mut by_object: BTreeMap<u32, Vec<CopyOp>> = BTreeMap::new();
         for op in ops {
             by_object.entry(op.object).or_default().push(op);
@@ -143,6 +168,7 @@ impl Store {
                 let files = files.clone();
                 async move {
                     let n: u64 = ops.iter().map(|op| op.len).sum();
+                    let ready = opts.events.as_ref().map(|_| ready_ranges(&ops));
                     let o = &m.objects[object as usize];
                     if let Some(runs) = super::ranged::needed_blocks(o, &ops) {
                         // Part of a raw chunk: only the blocks that hold it, each checked.
@@ -183,6 +209,15 @@ impl Store {
                     if let Some(p) = &opts.progress {
                         p(n);
                     }
+                    if let (Some(ev), Some(ready)) = (&opts.events, ready) {
+                        for (out, ranges) in ready {
+                            ev(&ReadEvent::Ready {
+                                step: m.step,
+                                name: outs[out].rel.clone(),
+                                ranges,
+                            });
+                        }
+                    }
                     Ok::<_, Error>(())
                 }
             })
@@ -209,6 +244,30 @@ impl Store {
             .await
             .map_err(|e| Error::task_failed("fsync", e))?
     }
+}
+
+/// The output ranges `[offset, length]` that `ops` fill, by output file, in order, with
+/// ranges that meet joined.
+fn ready_ranges(ops: &[CopyOp]) -> BTreeMap<usize, Vec<[u64; 2]>> {
+    let mut by_out: BTreeMap<usize, Vec<[u64; 2]>> = BTreeMap::new();
+    for op in ops.iter().filter(|op| op.len > 0) {
+        by_out
+            .entry(op.out)
+            .or_default()
+            .push([op.out_offset, op.len]);
+    }
+    for ranges in by_out.values_mut() {
+        ranges.sort_unstable();
+        let mut joined: Vec<[u64; 2]> = Vec::with_capacity(ranges.len());
+        for &[at, len] in ranges.iter() {
+            match joined.last_mut() {
+                Some(last) if last[0] + last[1] == at => last[1] += len,
+                _ => joined.push([at, len]),
+            }
+        }
+        *ranges = joined;
+    }
+    by_out
 }
 
 /// Writes what `ops` take of the object bytes `block`, which start at `pos` in the object.

@@ -480,3 +480,114 @@ async fn forged_block_checksums_are_rejected() {
     )
     .await;
 }
+
+/// What a restore's events say, as a reader outside the restore sees it at each event: the
+/// bytes of each `Ready` range read from the temporary file it names, and whether that file
+/// still exists when its step fails.
+#[derive(Default)]
+struct Seen {
+    log: Vec<String>,
+    /// Step -> (temporary path, the bytes read at Ready events, how often each byte was
+    /// given as ready).
+    files: std::collections::BTreeMap<u64, (std::path::PathBuf, Vec<u8>, Vec<u8>)>,
+}
+
+/// A restore that falls back past a step whose last chunk is corrupt tells, as it goes, what is
+/// final: the bytes a reader takes at each `ready` event from the temporary file are the
+/// restored file's, every data byte is given once, and the failed step's file is gone when its
+/// `failed` event comes, before the older step begins.
+#[tokio::test]
+async fn a_restore_tells_what_is_final_as_it_goes_and_starts_over_on_a_fallback() {
+    use checkpoint::ReadEvent;
+    use std::os::unix::fs::FileExt;
+    use std::sync::Mutex;
+
+    let (mem, store) = two_steps().await;
+    let m = store.read_manifest(2, &cancel()).await.unwrap();
+    assert!(m.objects.len() >= 2, "the step needs several chunks");
+    let key = m.objects.last().unwrap().key.clone();
+    let mut data = get_raw(&mem, &key).await;
+    let mid = data.len() / 2;
+    data[mid] ^= 0x10;
+    put_raw(&mem, &key, data).await;
+
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let events: checkpoint::ReadEvents = {
+        let seen = seen.clone();
+        Arc::new(move |ev: &ReadEvent| {
+            let mut s = seen.lock().unwrap();
+            match ev {
+                ReadEvent::Step { step, metadata } => {
+                    let md = metadata.as_ref().unwrap();
+                    assert_eq!(md["step"], *step);
+                    assert_eq!(md["metadata"]["lr_scale"], 1.5);
+                    s.log.push(format!("step {step}"));
+                }
+                ReadEvent::File {
+                    step,
+                    name,
+                    path,
+                    bytes,
+                } => {
+                    assert_eq!(name, "state.safetensors");
+                    assert_eq!(std::fs::metadata(path).unwrap().len(), *bytes);
+                    let n = *bytes as usize;
+                    s.files
+                        .insert(*step, (path.clone(), vec![0; n], vec![0; n]));
+                    s.log.push(format!("file {step}"));
+                }
+                ReadEvent::Ready { step, name, ranges } => {
+                    assert_eq!(name, "state.safetensors");
+                    let (path, shadow, count) = s.files.get_mut(step).unwrap();
+                    let f = std::fs::File::open(&*path).unwrap();
+                    for &[at, len] in ranges {
+                        let (a, b) = (at as usize, (at + len) as usize);
+                        f.read_exact_at(&mut shadow[a..b], at).unwrap();
+                        count[a..b].iter_mut().for_each(|c| *c += 1);
+                    }
+                    if s.log.last().map(String::as_str) != Some(&format!("ready {step}")) {
+                        s.log.push(format!("ready {step}"));
+                    }
+                }
+                ReadEvent::Failed { step, error } => {
+                    assert!(error.contains(&key), "{error}");
+                    assert!(
+                        !s.files[step].0.exists(),
+                        "the failed step's file is still there"
+                    );
+                    s.log.push(format!("failed {step}"));
+                }
+            }
+        })
+    };
+    let opts = ReadOptions {
+        concurrency: 1,
+        events: Some(events),
+        ..Default::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let r = store
+        .restore(None, 0, 1, dir.path(), &opts, &cancel())
+        .await
+        .unwrap();
+    assert_eq!((r.step, r.skipped_steps), (1, vec![2]));
+    let s = seen.lock().unwrap();
+    // Chunks are read in order one at a time, so step 2's first chunks were ready before its
+    // last one failed.
+    assert_eq!(
+        s.log,
+        [
+            "step 2", "file 2", "ready 2", "failed 2", "step 1", "file 1", "ready 1"
+        ]
+    );
+    let restored = std::fs::read(&r.path).unwrap();
+    let data_start = 8 + u64::from_le_bytes(restored[..8].try_into().unwrap()) as usize;
+    let (_, shadow, count) = &s.files[&1];
+    assert_eq!(shadow.len(), restored.len());
+    assert!(count[..data_start].iter().all(|&c| c == 0));
+    assert!(
+        count[data_start..].iter().all(|&c| c == 1),
+        "every data byte is ready once"
+    );
+    assert!(shadow[data_start..] == restored[data_start..]);
+}
