@@ -448,6 +448,27 @@ class _Decoder:
         return out
 
 
+def _is_module(target):
+    import torch
+
+    return isinstance(unwrap(target), torch.nn.Module)
+
+
+def _check_keys(saved, current, at, where):
+    """A module's saved ``state_dict()`` names the keys its own has, as ``load_state_dict``
+    with ``strict=True`` requires: checked before anything is loaded."""
+    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"lacks the keys {_describe(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"holds the keys {_describe(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}, "
+                         "which the module does not have")
+        raise StateError(f"{where}: {at}: the checkpoint's state_dict() {' and '.join(parts)} "
+                         "(load(..., strict=False) allows it)")
+
+
 def _check_fits(saved, current, at, where):
     """Every tensor of ``saved`` that ``current`` (the target's own state_dict()) has at the
     same place has its shape and dtype."""
@@ -628,6 +649,8 @@ def apply(state, skeleton, tensors, where, strict=True, shards=None, dry_run=Fal
                 value = fit.optimizer(value, target, at)
             else:
                 value = fit.walk(value, current, at)
+            if strict and _is_module(target):
+                _check_keys(value, current, at, where)
             _check_fits(value, current, at, where)
         elif is_stateful(target):
             raise StateError(f"{where}: {at} was saved as a plain value; the state holds a "
