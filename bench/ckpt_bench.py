@@ -480,6 +480,30 @@ def bench_restore(a, model, opt, base, disk, moto):
                     "fetch_rss_rise_mib": js["rss_rise_bytes"] / 2**20}
         return run
 
+    def m_from(kind, world):
+        """elastic_run.load_from(URL): the restore (elastic-ckpt restore --events, into
+        `base`) with the load overlapped, read into the model and optimizer."""
+        def run():
+            wipe(model, opt)
+            er_env(base, 0, world)
+            before = dict(os.environ)
+            os.environ["ELASTIC_CKPT"] = ckpt
+            if kind.startswith("s3"):
+                os.environ.update(env)
+            r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            try:
+                t0 = time.perf_counter()
+                step = er.load_from(urls[kind], {"model": model, "optimizer": opt}, work_dir=base)
+                dt = time.perf_counter() - t0
+            finally:
+                os.environ.clear()
+                os.environ.update(before)
+            r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            assert step == 1, step
+            check()
+            return {"restore_s": dt, "fetch_cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)}
+        return run
+
     def m_dcp():
         wipe(model, opt)
         r0 = common.io_read_bytes()
@@ -540,6 +564,7 @@ def bench_restore(a, model, opt, base, disk, moto):
         ("checkpoint restore + elastic_run.load, world 2->2 (file, cold cache)", cold(m_er("file", 2))),
         ("dcp.load (file, cold cache)", cold(m_dcp)),
         ("raw object_store get of the step (file, cold cache)", cold(m_raw("file"))),
+        ("elastic_run.load_from, world 2->2 (file)", m_from("file", 2)),
         ("checkpoint restore + elastic_run.load, world 2->3 (file)", m_er("file", 3)),
         ("raw object_store get of the step (file)", m_raw("file")),
         ("checkpoint restore only, row-sharded state, world 2->2 (file)", m_shard(2)),
@@ -551,9 +576,11 @@ def bench_restore(a, model, opt, base, disk, moto):
         methods += [
             ("checkpoint restore + elastic_run.load, world 2->2 (s3)", s3_warm("s3", m_er("s3", 2))),
             ("checkpoint restore + elastic_run.load, world 2->3 (s3)", s3_warm("s3", m_er("s3", 3))),
+            ("elastic_run.load_from, world 2->2 (s3)", s3_warm("s3", m_from("s3", 2))),
             ("raw object_store get of the step (s3)", s3_warm("s3", m_raw("s3"))),
             ("checkpoint restore + elastic_run.load, world 2->2 (s3, raw chunks)",
              s3_warm("s3-raw", m_er("s3-raw", 2))),
+            ("elastic_run.load_from, world 2->2 (s3, raw chunks)", s3_warm("s3-raw", m_from("s3-raw", 2))),
             ("raw object_store get of the step (s3, raw chunks)", s3_warm("s3-raw", m_raw("s3-raw"))),
             ("checkpoint restore only, row-sharded state, world 2->2 (s3, compressed)",
              s3_warm("sharded-s3", m_shard(2, "sharded-s3"))),

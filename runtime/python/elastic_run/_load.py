@@ -246,7 +246,19 @@ def _read_restored(d, shards=None, into=None):
     entries)``, once the file's header and declarations are checked, may name tensors to read
     some of the file straight into (name -> tensor, see :meth:`_read.TensorFile.read`)."""
     path = os.path.join(d, _RESTORED_META)
-    meta = _read_object(path)
+    step, r, world, rest = _restored_meta(_read_object(path), path)
+    tensors_path = os.path.join(d, _RESTORED)
+    with _read.TensorFile(tensors_path) as f:
+        found = _check_restored(f, d, path, step, r, world)
+        if shards is not None:
+            shards.update(found)
+        tensors = f.read(into(rest, f.entries) if into is not None else None)
+    return step, tensors, rest
+
+
+def _restored_meta(meta, path):
+    """``(step, rank, world_size, rest)`` of a restore's ``metadata.json`` object ``meta``
+    (read from ``path``, or named so), each field checked."""
     version = meta.get("format_version", 1)
     if not _is_int(version) or version not in _RESTORED_VERSIONS:
         raise FormatError(
@@ -258,24 +270,20 @@ def _read_restored(d, shards=None, into=None):
     md = _get(path, meta, "metadata", dict, {})
     rest = _get(path, md, "state", dict, {}, "metadata.")
     _check_state(rest, path, "metadata.state.")
+    return step, r, world, rest
 
-    header_of = {}
 
-    def check(header, keys):
-        saved_step = header.get("elastic.step")
-        if saved_step is not None and saved_step != str(step):
-            raise FormatError(f"{d}: {_RESTORED} holds step {saved_step[:40]}, {_RESTORED_META} says step {step}")
-        header_of.update(header)
-
-    tensors_path = os.path.join(d, _RESTORED)
-    with _read.TensorFile(tensors_path) as f:
-        check(f.metadata, list(f.entries))
-        found = _read_shards(tensors_path, header_of, _meta_tensors(f.entries))
-        _check_rows(d, path, tensors_path, r, world, header_of, found, f.entries)
-        if shards is not None:
-            shards.update(found)
-        tensors = f.read(into(rest, f.entries) if into is not None else None)
-    return step, tensors, rest
+def _check_restored(f, d, path, step, r, world):
+    """Checks the open restored tensor file ``f`` of directory ``d`` against its metadata
+    (``path``: its step, rank ``r`` and ``world``), and returns its shard declarations, each
+    checked to be this worker's rows."""
+    header_of = dict(f.metadata)
+    saved_step = header_of.get("elastic.step")
+    if saved_step is not None and saved_step != str(step):
+        raise FormatError(f"{d}: {_RESTORED} holds step {saved_step[:40]}, {_RESTORED_META} says step {step}")
+    found = _read_shards(f.path, header_of, _meta_tensors(f.entries))
+    _check_rows(d, path, f.path, r, world, header_of, found, f.entries)
+    return found
 
 
 def _meta_tensors(entries):

@@ -21,11 +21,12 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import threading
 import urllib.parse
 
-from . import _load, _save, _tree
+from . import _load, _read, _save, _tree
 from ._env import rank, world_size
-from .protocol import _RESTORED, _RESTORED_META, FormatError, _describe
+from .protocol import _RESTORED, _RESTORED_META, FormatError, _describe, _is_int, _parse_json
 
 # The longest an `elastic-ckpt restore` may take before load_from gives up on it.
 RESTORE_TIMEOUT_S = 3600
@@ -42,7 +43,7 @@ class CheckpointUnavailable(RuntimeError):
     answer, or a step that does not read whole. The message holds its error output."""
 
 
-def load_from(source, state, step=None, *, strict=True):
+def load_from(source, state, step=None, *, strict=True, work_dir=None):
     """Loads a checkpoint into ``state`` outside an elastic-run job, and returns its step.
 
     ``source`` is a checkpoint URL (``s3://bucket/job``, ``file:///path``, ...: the newest step
@@ -50,6 +51,16 @@ def load_from(source, state, step=None, *, strict=True):
     mapping :func:`elastic_run.load` takes, filled in place the same way: Stateful entries
     through ``load_state_dict``, plain values set in the mapping; ``strict=False`` lets either
     side hold entries the other lacks.
+
+    From a URL, the step is restored into a private directory under ``work_dir`` (the system's
+    temporary directory by default; a memory file system such as ``/dev/shm`` spares the
+    disk), removed before this returns. The load overlaps the restore: once the restored
+    file's header is written, it is checked against ``state`` in full, and each range of
+    tensor bytes is then read into the state's own tensors as soon as the restore has written
+    it and checked its chunk. When the newest step turns out corrupt midway, the restore falls
+    back to an older one, whose bytes are read over what was read; what a load returns is
+    always one step, whole. (An older step that does not fit ``state`` raises
+    :class:`StateError` then, and ``state`` may hold part of the newer step.)
 
     Inside a torchrun or elastic-run job (``RANK``/``WORLD_SIZE`` set) each rank reads what its
     rank of that world holds: its rows of sharded (FSDP2) state. Outside one, rank 0 of 1: every
@@ -70,7 +81,7 @@ def load_from(source, state, step=None, *, strict=True):
     # The load writes into the tensors a pending async_save may still be reading.
     _save.wait()
     if _is_url(src):
-        return _from_store(src, state, step, strict)
+        return _from_store(src, state, step, strict, work_dir)
     if not os.path.isdir(src):
         raise FormatError(f"{src}: neither a checkpoint URL nor a directory")
     return _from_dir(src, state, step, strict)
@@ -90,30 +101,145 @@ def _ckpt_exe():
     return exe
 
 
-def _from_store(url, state, step, strict):
+def _from_store(url, state, step, strict, work_dir):
     # A private directory (mkdtemp makes it 0700), removed afterwards whatever happens.
-    tmp = tempfile.mkdtemp(prefix="elastic_run-load_from-")
+    tmp = tempfile.mkdtemp(prefix="elastic_run-load_from-", dir=work_dir)
     try:
         dest = os.path.join(tmp, "restored")
-        cmd = [_ckpt_exe(), "--json", "restore", url, dest, "--rank", str(rank()), "--world-size",
-               str(world_size())]
+        cmd = [_ckpt_exe(), "restore", url, dest, "--rank", str(rank()), "--world-size", str(world_size()),
+               "--events"]
         if step is not None:
             cmd += ["--step", str(step)]
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=RESTORE_TIMEOUT_S,
-                               stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            raise CheckpointUnavailable(f"elastic-ckpt restore {url}: no answer within {RESTORE_TIMEOUT_S} s") from None
-        if p.returncode != 0:
-            err = p.stderr.strip()[-_STDERR_SHOWN_BYTES_MAX:]
-            raise CheckpointUnavailable(f"elastic-ckpt restore {url} failed (exit {p.returncode}): {err}")
-        shards = {}
-        got, tensors, rest = _load._read_restored(dest, shards=shards)
+        load = _Overlapped(url, dest, state, strict)
+        timed_out = threading.Event()
+        with open(os.path.join(tmp, "stderr"), "w+b") as err:
+            p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err)
+
+            def give_up():
+                timed_out.set()
+                p.kill()
+
+            timer = threading.Timer(RESTORE_TIMEOUT_S, give_up)
+            timer.start()
+            try:
+                with p.stdout:
+                    for line in p.stdout:
+                        load.event(line)
+                rc = p.wait()
+            except BaseException:
+                p.kill()
+                p.wait()
+                load.abandon()
+                raise
+            finally:
+                timer.cancel()
+            if rc != 0:
+                load.abandon()
+                if timed_out.is_set():
+                    raise CheckpointUnavailable(f"elastic-ckpt restore {url}: no answer within {RESTORE_TIMEOUT_S} s")
+                err.seek(0, os.SEEK_END)
+                err.seek(max(err.tell() - _STDERR_SHOWN_BYTES_MAX, 0))
+                text = err.read().decode(errors="replace").strip()
+                raise CheckpointUnavailable(f"elastic-ckpt restore {url} failed (exit {rc}): {text}")
+        got, tensors, rest, shards = load.finish()
         if step is not None and got != step:
             raise FormatError(f"{url}: elastic-ckpt restored step {got}, not step {step}")
         return _apply(state, rest, tensors, f"{url} step {got}", strict, got, shards)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _Overlapped:
+    """A load from ``elastic-ckpt restore --events``, read into the state while the restore
+    goes on: once a step's file exists with its header, it is checked against the state in
+    full (nothing is read when it does not fit), and then each range of it is read into the
+    state's own tensors (:class:`_read.RangedRead`) as the restore reports it written and
+    checked. A step that fails midway (the restore then falls back to an older one) is
+    dropped, and the older step is read over it."""
+
+    def __init__(self, url, dest, state, strict):
+        self.url, self.dest, self.state, self.strict = url, dest, state, strict
+        self.meta = None  # (step, rank, world, rest) of the step being read
+        self.file = None
+        self.reader = None
+        self.shards = None
+
+    def event(self, line):
+        if not line.startswith(b"{"):
+            return  # the report's line
+        ev = _parse_json(line, f"elastic-ckpt restore {self.url}: an event")
+        kind = ev.get("event") if isinstance(ev, dict) else None
+        step = ev.get("step") if isinstance(ev, dict) else None
+        if kind not in ("step", "file", "ready", "failed") or not _is_int(step):
+            raise FormatError(f"elastic-ckpt restore {self.url}: unknown event {_describe(ev)}")
+        where = f"{self.url} step {step}"
+        if kind == "step":
+            self._drop()
+            md = ev.get("metadata")
+            if not isinstance(md, dict):
+                raise FormatError(f"{where}: the restore's metadata is {_describe(md)}, not an object")
+            self.meta = _load._restored_meta(md, f"{where}: metadata")
+            if self.meta[0] != step:
+                raise FormatError(f"{where}: the restore's metadata is of step {self.meta[0]}")
+        elif kind == "failed":
+            self._drop()
+        elif self.meta is None or self.meta[0] != step:
+            raise FormatError(f"elastic-ckpt restore {self.url}: a {kind} event of step {step} outside it")
+        elif kind == "file":
+            self._begin(ev, where)
+        else:
+            if self.reader is None or ev.get("name") != _RESTORED:
+                raise FormatError(f"{where}: bytes of {_describe(ev.get('name'))} ready, which is not being read")
+            self.reader.ready(ev.get("ranges"))
+
+    def _begin(self, ev, where):
+        path, name, size = ev.get("path"), ev.get("name"), ev.get("bytes")
+        if self.reader is not None or name != _RESTORED or not isinstance(path, str) or not _is_int(size):
+            raise FormatError(f"{where}: unexpected file event {_describe(ev)}")
+        # The restore writes only into the directory given to it.
+        if os.path.dirname(path) != self.dest or not os.path.basename(path).startswith("."):
+            raise FormatError(f"{where}: the restore names {path!r}, outside {self.dest}")
+        step, r, world, rest = self.meta
+        self.file = _read.TensorFile(path)
+        if self.file.size != size:
+            raise FormatError(f"{path}: {self.file.size} bytes, the restore says {size}")
+        self.shards = _load._check_restored(self.file, self.dest, f"{where}: metadata", step, r, world)
+        self.reader = _read.RangedRead(self.file, self._plan(rest, where)(rest, self.file.entries))
+
+    def _plan(self, rest, where):
+        """Which tensors the bytes go straight into (see :func:`_load._into`): the state form's
+        own tensors, or the model and optimizer of a ``save(step, model=, optimizer=)`` step."""
+        if _tree.is_skeleton(rest):
+            return _load._into(self.state, None, None, self.strict, self.shards, where)
+        if isinstance(self.state, dict) and set(self.state) <= {"model", "optimizer"}:
+            return _load._into(None, self.state.get("model"), self.state.get("optimizer"), self.strict,
+                               self.shards, where)
+        return lambda rest, entries: None
+
+    def _drop(self):
+        if self.reader is not None:
+            self.reader.abandon()
+            self.reader = None
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        self.meta = None
+
+    def abandon(self):
+        """Stops reading (the restore failed, or the load did)."""
+        self._drop()
+
+    def finish(self):
+        """``(step, tensors, rest, shards)`` once the restore ended well."""
+        if self.reader is None:
+            raise CheckpointUnavailable(f"elastic-ckpt restore {self.url}: ended without restoring a step")
+        try:
+            tensors = self.reader.finish()
+        finally:
+            self.reader = None
+            self.file.close()
+            self.file = None
+        return self.meta[0], tensors, self.meta[3], self.shards
 
 
 def _from_dir(d, state, step, strict):

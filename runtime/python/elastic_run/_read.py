@@ -36,6 +36,10 @@ _THREADS_MAX = 4
 # read while the other is copied to the device), each at most this many bytes.
 _PINNED_BUFFER_BYTES = 32 << 20
 _PINNED_BUFFERS = 2
+# Threads of a RangedRead: it shares the cores with the process writing the file.
+_OVERLAP_THREADS = 2
+# A RangedRead drops its finished reads from its list once it holds more than this many.
+_PENDING_CHECK = 64
 
 # safetensors dtype -> (torch dtype name, bytes per element).
 _DTYPES = {
@@ -163,6 +167,15 @@ class TensorFile:
         ``views`` is instead a view of the file's copy-on-write mapping (a new tensor where its
         bytes are not aligned to its dtype), for a caller that copies what it needs of it
         before the load ends."""
+        out, jobs, device_jobs = self._plan(into, views)
+        self._read_all(jobs, self._read_one)
+        if device_jobs:
+            self._read_to_device(device_jobs)
+        return out
+
+    def _plan(self, into, views=()):
+        """What :meth:`read` reads where: ``(out, jobs, device_jobs)``, every tensor by name,
+        and the ``(entry, tensor)`` pairs to read into CPU and into device memory."""
         import torch
 
         into = into or {}
@@ -187,10 +200,7 @@ class TensorFile:
             out[e.name] = dest
             if e.nbytes:
                 jobs.append((e, dest))
-        self._read_all(jobs, self._read_one)
-        if device_jobs:
-            self._read_to_device(device_jobs)
-        return out
+        return out, jobs, device_jobs
 
     def _read_all(self, jobs, read_one):
         """Runs ``read_one(e, dest)`` for each job, on several threads when there is enough to
@@ -252,6 +262,89 @@ class TensorFile:
     def _read_one(self, e, dest):
         mv = memoryview((ctypes.c_char * e.nbytes).from_address(dest.data_ptr())).cast("B")
         self._readinto(mv, self.data_start + e.start)
+
+
+class RangedRead:
+    """Reads the tensors of a :class:`TensorFile` that is still being written, as its writer
+    says which byte ranges of it are final (``elastic-ckpt restore --events``), so the reads
+    overlap the writing. Planned as :meth:`TensorFile.read` plans (without views); each range
+    is read, as soon as it is given, into the parts of the CPU tensors it holds, on a few
+    threads. Tensors on a device are read whole by :meth:`finish`. Each byte of every tensor
+    must be given exactly once: :meth:`finish` raises :class:`FormatError` for a tensor that
+    is not complete, and :meth:`ready` for a range outside the data or given twice."""
+
+    def __init__(self, f, into=None):
+        self.f = f
+        self.out, jobs, self._device = f._plan(into)
+        on_cpu = {id(dest) for _, dest in jobs}
+        # Every tensor's bytes, in file order: (start in the file, entry, tensor or None for
+        # a tensor read by finish()).
+        self._jobs = sorted(((f.data_start + e.start, e, self.out[e.name] if id(self.out[e.name]) in on_cpu else None)
+                             for e in f.entries.values() if e.nbytes), key=lambda j: j[0])
+        self._starts = [j[0] for j in self._jobs]
+        self._got = [0] * len(self._jobs)
+        self._pool = ThreadPoolExecutor(min(_OVERLAP_THREADS, os.cpu_count() or 1),
+                                        thread_name_prefix="elastic-run-read")
+        self._pending = []
+
+    def ready(self, ranges):
+        """Reads ``ranges`` (``[offset, length]`` pairs of the file) into the tensors that
+        hold them, in the background."""
+        import bisect
+
+        pieces = []
+        for r in ranges:
+            if not (isinstance(r, list) and len(r) == 2 and all(_is_int(v) and v >= 0 for v in r)):
+                raise FormatError(f"{self.f.path}: a ready range is {_describe(r)}, not [offset, length]")
+            lo, hi = r[0], r[0] + r[1]
+            if lo < self.f.data_start or hi > self.f.size:
+                raise FormatError(f"{self.f.path}: ready bytes [{lo}, {hi}) are outside its data "
+                                  f"[{self.f.data_start}, {self.f.size})")
+            i = max(bisect.bisect_right(self._starts, lo) - 1, 0)
+            while i < len(self._jobs) and self._jobs[i][0] < hi:
+                start, e, dest = self._jobs[i]
+                a, b = max(lo, start), min(hi, start + e.nbytes)
+                if a < b:
+                    self._got[i] += b - a
+                    if self._got[i] > e.nbytes:
+                        raise FormatError(f"{self.f.path}: bytes of tensor {e.name!r} were given as ready twice")
+                    if dest is not None:
+                        pieces.append((dest, a - start, a, b - a))
+                i += 1
+        if pieces:
+            self._pending.append(self._pool.submit(self._read_pieces, pieces))
+            # Keep what is waited for bounded: drop the futures that are done.
+            if len(self._pending) > _PENDING_CHECK:
+                self._pending = [p for p in self._pending if not p.done() or p.exception() is not None]
+
+    def _read_pieces(self, pieces):
+        for dest, at, offset, n in pieces:
+            mv = memoryview((ctypes.c_char * n).from_address(dest.data_ptr() + at)).cast("B")
+            self.f._readinto(mv, offset)
+
+    def finish(self):
+        """Waits for the reads, checks that every tensor was read whole, reads the device
+        tensors, and returns every tensor by name."""
+        pending, self._pending = self._pending, []
+        try:
+            for p in pending:
+                p.result()
+        finally:
+            self._pool.shutdown(wait=True)
+        for (_, e, _), got in zip(self._jobs, self._got):
+            if got != e.nbytes:
+                raise FormatError(f"{self.f.path}: {got} of the {e.nbytes} bytes of tensor {e.name!r} were given "
+                                  "as ready")
+        if self._device:
+            self.f._read_to_device(self._device)
+        return self.out
+
+    def abandon(self):
+        """Stops: the reads not yet started are dropped, the ones running waited for."""
+        for p in self._pending:
+            p.cancel()
+        self._pending = []
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _DeviceCopier:

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import unittest
+from unittest import mock
 
 from tests import test_client as tc
 
@@ -47,9 +48,12 @@ class LoadFrom(tc.TorchEnv):
         return {"model": model, "ema": ema, "opt": opt, "sched": sched,
                 "progress": {"seen": seed, "rng": torch.get_rng_state()}}
 
-    def commit(self, step=5, world=2):
-        """Saves the state as `world` ranks and commits it to a file:// bucket as the agent does."""
-        st = self.state(0)
+    def commit(self, step=5, world=2, seed=0, big=0):
+        """Saves the state (of `seed`; with a tensor of `big` floats more) as `world` ranks and
+        commits it to a file:// bucket as the agent does."""
+        st = self.state(seed)
+        if big:
+            st["progress"]["big"] = self.torch.randn(big)
         staging = os.path.join(self.tmp.name, "staging")
         for r in range(world):
             self.env(ELASTIC_STAGING_DIR=staging, RANK=r, WORLD_SIZE=world)
@@ -59,7 +63,7 @@ class LoadFrom(tc.TorchEnv):
         staged = os.path.join(staging, f"step-{step}")
         skeleton = tc.read_json(os.path.join(staged, "rank-0", "meta.json"))["state"]
         url = "file://" + os.path.join(self.tmp.name, "bucket")
-        self.ckpt("push", staged, url, "--step", str(step), "--world-size", str(world),
+        self.ckpt("push", staged, url, "--step", str(step), "--world-size", str(world), "--chunk-mib", "1",
                   "--metadata", json.dumps({"elastic": {"generation": 1}, "state": skeleton}))
         return st, staged, url
 
@@ -102,6 +106,85 @@ class LoadFrom(tc.TorchEnv):
         # Nothing of the temporary restore is left behind.
         leftovers = [n for n in os.listdir(os.environ.get("TMPDIR", "/tmp")) if n.startswith("elastic_run-load_from-")]
         self.assertEqual(leftovers, [])
+
+    def test_a_bucket_is_read_into_the_states_own_tensors(self):
+        saved, _, url = self.commit()
+        fresh = self.state(7)
+        opt = fresh["opt"]
+
+        def held():
+            out = {}
+            for i, p in enumerate(fresh["model"].parameters()):
+                out[i, "param"] = p.data_ptr()
+                out.update({(i, k): t.data_ptr() for k, t in opt.state[p].items()})
+            return out
+
+        before = held()
+        self.assertEqual(len(before), 4 * 4)  # 4 parameters, each with step, exp_avg, exp_avg_sq
+        self.assertEqual(er.load_from(url, fresh), 5)
+        self.assert_same(saved, fresh)
+        self.assertEqual(held(), before, "a tensor of the model or optimizer was replaced")
+        # A step that does not fit the state loads nothing: the restore is stopped once its
+        # header is checked.
+        wrong = self.state(9)
+        ema = {k: v.clone() for k, v in wrong["ema"].state_dict().items()}
+        wrong["model"] = self.torch.nn.Linear(8, 3)
+        with self.assertRaisesRegex(er.StateError, "model"):
+            er.load_from(url, wrong)
+        for k, v in wrong["ema"].state_dict().items():
+            self.assertTrue(self.torch.equal(v, ema[k]), k)
+        leftovers = [n for n in os.listdir(os.environ.get("TMPDIR", "/tmp")) if n.startswith("elastic_run-load_from-")]
+        self.assertEqual(leftovers, [])
+
+    def test_a_newest_step_that_breaks_midway_is_dropped_for_the_older_one_whole(self):
+        from elastic_run import _read
+
+        older, _, url = self.commit(step=4, seed=1, big=600_000)
+        newer, _, _ = self.commit(step=5, seed=2, big=600_000)
+        shown = json.loads(self.ckpt("--json", "show", url, "--step", "5").stdout)
+        keys = [o["key"] for o in shown["objects"]]
+        self.assertGreaterEqual(len(keys), 3, "the step needs several chunks")
+        bucket = url[len("file://"):]
+        # One chunk at a time, in order: the first chunk of step 5 is read into the state
+        # before a later one fails.
+        self.env(ELASTIC_CKPT_CONCURRENCY=1)
+        calls = []
+        for name in ("ready", "abandon"):
+            def spy(self_, *a, _f=getattr(_read.RangedRead, name), _n=name):
+                calls.append((_n, self_.f.path))
+                return _f(self_, *a)
+            p = mock.patch.object(_read.RangedRead, name, spy)
+            p.start()
+            self.addCleanup(p.stop)
+        for how in ("flipped", "cut"):
+            with self.subTest(how):
+                path = os.path.join(bucket, keys[-1])
+                with open(path, "rb") as f:
+                    good = f.read()
+                bad = good[:len(good) // 2] if how == "cut" else good[:100] + bytes([good[100] ^ 1]) + good[101:]
+                with open(path, "wb") as f:
+                    f.write(bad)
+                calls.clear()
+                fresh = self.state(7)
+                self.assertEqual(er.load_from(url, fresh), 4)
+                self.assert_same(older, fresh)
+                self.assertTrue(self.torch.equal(fresh["progress"]["big"], older["progress"]["big"]))
+                files = list(dict.fromkeys(path for _, path in calls))
+                if how == "cut":
+                    # A chunk of the wrong length is found before the step is read at all.
+                    self.assertEqual(len(files), 1, calls)
+                else:
+                    self.assertEqual(len(files), 2, calls)
+                    self.assertIn(("ready", files[0]), calls)
+                    self.assertIn(("abandon", files[0]), calls)
+                    self.assertLess(calls.index(("abandon", files[0])), calls.index(("ready", files[1])))
+                self.assertIn(("ready", files[-1]), calls)
+                with open(path, "wb") as f:
+                    f.write(good)
+        # Whole again, the newest step loads.
+        fresh = self.state(7)
+        self.assertEqual(er.load_from(url, fresh), 5)
+        self.assert_same(newer, fresh)
 
     def test_a_staged_snapshot_and_a_restored_directory_load_whole(self):
         saved, staged, url = self.commit()
