@@ -169,7 +169,7 @@ async fn restore(
     let opts = checkpoint::ReadOptions {
         concurrency: concurrency.max(1),
         progress: None,
-        events: None,
+        ..Default::default()
     };
     let _ = std::fs::remove_dir_all(dest);
     // The restore's memory: the peak resident size after it, over the resident size before.

@@ -169,7 +169,7 @@ async fn save_restore(
     let ropts = ReadOptions {
         concurrency: CONCURRENCY,
         progress: None,
-        events: None,
+        ..Default::default()
     };
     store
         .restore(Some(1), 0, 1, &out, &ropts, cancel)

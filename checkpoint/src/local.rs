@@ -293,9 +293,17 @@ impl DurableFile {
 
     /// Fsyncs, renames over the destination and fsyncs the directory. A symlink standing at
     /// the destination is refused rather than replaced.
-    pub fn commit(mut self) -> Result<()> {
+    pub fn commit(self) -> Result<()> {
+        self.commit_as(true)
+    }
+
+    /// [`DurableFile::commit`], without the two fsyncs when `sync` is false: the file appears
+    /// whole under its name, but a crash may lose it (for a file read once and removed).
+    pub fn commit_as(mut self, sync: bool) -> Result<()> {
         self.file.flush().map_err(|e| Error::io(&self.tmp, e))?;
-        self.file.sync_all().map_err(|e| Error::io(&self.tmp, e))?;
+        if sync {
+            self.file.sync_all().map_err(|e| Error::io(&self.tmp, e))?;
+        }
         if is_symlink_at(&self.dir, &self.name) {
             return Err(Error::InvalidInput(format!(
                 "{} is a symlink; refusing to replace it",
@@ -316,7 +324,7 @@ impl DurableFile {
         }
         self.done = true;
         // SAFETY: valid open directory fd.
-        if unsafe { libc::fsync(self.dir.as_raw_fd()) } != 0 {
+        if sync && unsafe { libc::fsync(self.dir.as_raw_fd()) } != 0 {
             return Err(Error::io(&self.dest, std::io::Error::last_os_error()));
         }
         Ok(())

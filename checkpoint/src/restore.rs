@@ -65,6 +65,9 @@ pub struct ReadOptions {
     pub progress: Option<Progress>,
     /// Told what is ready as the read goes ([`ReadEvent`]).
     pub events: Option<ReadEvents>,
+    /// Whether the output files are fsynced before they are renamed into place (true by
+    /// default). False for output that is read once and removed, which a crash may lose.
+    pub sync: bool,
 }
 
 impl Default for ReadOptions {
@@ -73,6 +76,7 @@ impl Default for ReadOptions {
             concurrency: 8,
             progress: None,
             events: None,
+            sync: true,
         }
     }
 }

@@ -122,6 +122,10 @@ enum Cmd {
         /// exits 0 has restored the last step named.
         #[arg(long)]
         events: bool,
+        /// Skip the fsyncs of the state file: for a restore that is read once and removed
+        /// (`elastic_run.load_from` passes it), on a disk they cost more than the read.
+        #[arg(long)]
+        no_sync: bool,
     },
     /// List committed steps (with --all, uncommitted leftovers too).
     Ls {
@@ -461,7 +465,7 @@ async fn run(cli: Cli) -> Result<()> {
                     let opts = ReadOptions {
                         concurrency,
                         progress,
-                        events: None,
+                        ..Default::default()
                     };
                     let m = store.pull(step, &dir, &opts, &cancel).await?;
                     pb.finish_and_clear();
@@ -473,7 +477,7 @@ async fn run(cli: Cli) -> Result<()> {
                     let opts = ReadOptions {
                         concurrency,
                         progress,
-                        events: None,
+                        ..Default::default()
                     };
                     let r = store.pull_newest(&dir, &opts, &cancel).await?;
                     pb.finish_and_clear();
@@ -518,7 +522,7 @@ async fn run(cli: Cli) -> Result<()> {
             let opts = ReadOptions {
                 concurrency,
                 progress,
-                events: None,
+                ..Default::default()
             };
             let report = store
                 .export(step, &key, &dir, max_shard_size, &opts, &cancel)
@@ -551,6 +555,7 @@ async fn run(cli: Cli) -> Result<()> {
             rank,
             world_size,
             events,
+            no_sync,
         } => {
             checkpoint::restore::check_fresh_dir(&dir, "restore target")?;
             if events && dir.to_str().is_none() {
@@ -578,6 +583,7 @@ async fn run(cli: Cli) -> Result<()> {
                         }
                     })
                 }),
+                sync: !no_sync,
             };
             let report = store
                 .restore(step, rank, world_size, &dir, &opts, &cancel)
@@ -714,7 +720,7 @@ async fn run(cli: Cli) -> Result<()> {
             let opts = ReadOptions {
                 concurrency,
                 progress,
-                events: None,
+                ..Default::default()
             };
             let report = store.verify(step, &opts, &cancel).await?;
             pb.finish_and_clear();
@@ -795,7 +801,7 @@ async fn run(cli: Cli) -> Result<()> {
                 let opts = ReadOptions {
                     concurrency,
                     progress,
-                    events: None,
+                    ..Default::default()
                 };
                 from.copy_step(&to, *s, &opts, &cancel)
                     .await

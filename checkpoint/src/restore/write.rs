@@ -240,7 +240,8 @@ impl Store {
         let files = Arc::try_unwrap(files).map_err(|_| {
             Error::InvalidInput("output files still shared after all writes".into())
         })?;
-        tokio::task::spawn_blocking(move || files.into_iter().try_for_each(DurableFile::commit))
+        let sync = opts.sync;
+        tokio::task::spawn_blocking(move || files.into_iter().try_for_each(|f| f.commit_as(sync)))
             .await
             .map_err(|e| Error::task_failed("fsync", e))?
     }

@@ -107,7 +107,7 @@ def _from_store(url, state, step, strict, work_dir):
     try:
         dest = os.path.join(tmp, "restored")
         cmd = [_ckpt_exe(), "restore", url, dest, "--rank", str(rank()), "--world-size", str(world_size()),
-               "--events"]
+               "--events", "--no-sync"]
         if step is not None:
             cmd += ["--step", str(step)]
         load = _Overlapped(url, dest, state, strict)
