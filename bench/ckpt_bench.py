@@ -562,6 +562,7 @@ def bench_restore(a, model, opt, base, disk, moto):
     methods = [
         ("checkpoint restore + elastic_run.load, world 2->2 (file)", m_er("file", 2)),
         ("checkpoint restore + elastic_run.load, world 2->2 (file, cold cache)", cold(m_er("file", 2))),
+        ("elastic_run.load_from, world 2->2 (file, cold cache)", cold(m_from("file", 2))),
         ("dcp.load (file, cold cache)", cold(m_dcp)),
         ("raw object_store get of the step (file, cold cache)", cold(m_raw("file"))),
         ("elastic_run.load_from, world 2->2 (file)", m_from("file", 2)),

@@ -36,8 +36,9 @@ _THREADS_MAX = 4
 # read while the other is copied to the device), each at most this many bytes.
 _PINNED_BUFFER_BYTES = 32 << 20
 _PINNED_BUFFERS = 2
-# Threads of a RangedRead: it shares the cores with the process writing the file.
-_OVERLAP_THREADS = 2
+# Threads of a RangedRead: it shares the cores with the process writing the file (one measured
+# faster than two on 2 cores, BENCHMARKS.md §3).
+_OVERLAP_THREADS = 1
 # A RangedRead drops its finished reads from its list once it holds more than this many.
 _PENDING_CHECK = 64
 
