@@ -162,7 +162,9 @@ class _Overlapped:
         self.meta = None  # (step, rank, world, rest) of the step being read
         self.file = None
         self.reader = None
+        self.release_fd = None
         self.shards = None
+        self.gone = False  # the step being read failed before its file could be opened
 
     def event(self, line):
         if not line.startswith(b"{"):
@@ -187,25 +189,63 @@ class _Overlapped:
             raise FormatError(f"elastic-ckpt restore {self.url}: a {kind} event of step {step} outside it")
         elif kind == "file":
             self._begin(ev, where)
-        else:
+        elif not self.gone:
             if self.reader is None or ev.get("name") != _RESTORED:
                 raise FormatError(f"{where}: bytes of {_describe(ev.get('name'))} ready, which is not being read")
             self.reader.ready(ev.get("ranges"))
 
     def _begin(self, ev, where):
         path, name, size = ev.get("path"), ev.get("name"), ev.get("bytes")
-        if self.reader is not None or name != _RESTORED or not isinstance(path, str) or not _is_int(size):
+        if self.reader is not None or self.gone or name != _RESTORED or not isinstance(path, str) \
+                or not _is_int(size):
             raise FormatError(f"{where}: unexpected file event {_describe(ev)}")
         # The restore writes only into the directory given to it.
         if os.path.dirname(path) != self.dest or not os.path.basename(path).startswith("."):
             raise FormatError(f"{where}: the restore names {path!r}, outside {self.dest}")
         step, r, world, rest = self.meta
-        self.file = _read.TensorFile(path)
+        opened = self._open_written(path, name, step)
+        if opened is None:
+            # The step failed before this event was read: its file is gone, and a "failed"
+            # event follows.
+            self.gone = True
+            return
+        # The file is read once and removed: with a descriptor open for writing, the pages
+        # of each range read are given back as the load goes, so the file holds little more
+        # than what is not yet read.
+        self.file, self.release_fd = opened
         if self.file.size != size:
-            raise FormatError(f"{path}: {self.file.size} bytes, the restore says {size}")
+            raise FormatError(f"{self.file.path}: {self.file.size} bytes, the restore says {size}")
         self.shards = _load._check_restored(self.file, self.dest, f"{where}: metadata", step, r, world)
-        self.reader = _read.RangedRead(self.file, self._plan(rest, where)(rest, self.file.entries))
+        into = self._plan(rest, where)(rest, self.file.entries)
+        self.reader = _read.RangedRead(self.file, into, release_fd=self.release_fd)
 
+    def _open_written(self, path, name, step):
+        """``(TensorFile, descriptor for writing)`` of the file a ``file`` event of ``step``
+        names: at its temporary ``path``, or, when this event is read late, at its own name
+        (a restore that ended renamed it there). None when neither holds ``step``: the step
+        failed and its file is gone."""
+        for p in (path, os.path.join(self.dest, name)):
+            try:
+                fd = os.open(p, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                f = _read.TensorFile(p)
+            except FormatError:
+                os.close(fd)
+                if os.path.lexists(p):
+                    raise
+                continue  # renamed or removed in between
+            if not os.path.samestat(os.fstat(fd), os.fstat(f.fd)):
+                f.close()
+                os.close(fd)
+                raise FormatError(f"{p}: replaced while it was opened")
+            if p != path and f.metadata.get("elastic.step") != str(step):
+                f.close()
+                os.close(fd)
+                return None
+            return f, fd
+        return None
     def _plan(self, rest, where):
         """Which tensors the bytes go straight into (see :func:`_load._into`): the state form's
         own tensors, or the model and optimizer of a ``save(step, model=, optimizer=)`` step."""
@@ -220,10 +260,17 @@ class _Overlapped:
         if self.reader is not None:
             self.reader.abandon()
             self.reader = None
+        self._close()
+        self.meta = None
+        self.gone = False
+
+    def _close(self):
         if self.file is not None:
             self.file.close()
             self.file = None
-        self.meta = None
+        if self.release_fd is not None:
+            os.close(self.release_fd)
+            self.release_fd = None
 
     def abandon(self):
         """Stops reading (the restore failed, or the load did)."""
@@ -237,8 +284,7 @@ class _Overlapped:
             tensors = self.reader.finish()
         finally:
             self.reader = None
-            self.file.close()
-            self.file = None
+            self._close()
         return self.meta[0], tensors, self.meta[3], self.shards
 
 

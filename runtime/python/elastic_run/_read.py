@@ -41,6 +41,19 @@ _PINNED_BUFFERS = 2
 _OVERLAP_THREADS = 1
 # A RangedRead drops its finished reads from its list once it holds more than this many.
 _PENDING_CHECK = 64
+# What a RangedRead gives back of the file it read: whole pages, with fallocate(2)'s
+# FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE.
+_PAGE_BYTES = 4096
+_FALLOC_PUNCH_HOLE = 0x02 | 0x01
+_LIBC = []
+
+
+def _libc():
+    if not _LIBC:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        _LIBC.append(libc)
+    return _LIBC[0]
 
 # safetensors dtype -> (torch dtype name, bytes per element).
 _DTYPES = {
@@ -270,12 +283,17 @@ class RangedRead:
     says which byte ranges of it are final (``elastic-ckpt restore --events``), so the reads
     overlap the writing. Planned as :meth:`TensorFile.read` plans (without views); each range
     is read, as soon as it is given, into the parts of the CPU tensors it holds, on a few
-    threads. Tensors on a device are read whole by :meth:`finish`. Each byte of every tensor
+    threads. Tensors on a device are read whole by :meth:`finish`. Given ``release_fd`` (the
+    file open for writing), the pages of what was read into CPU tensors are given back as it
+    goes. Each byte of every tensor
     must be given exactly once: :meth:`finish` raises :class:`FormatError` for a tensor that
     is not complete, and :meth:`ready` for a range outside the data or given twice."""
 
-    def __init__(self, f, into=None):
+    def __init__(self, f, into=None, release_fd=None):
         self.f = f
+        # A descriptor of the file open for writing: the pages of each range read into a CPU
+        # tensor are then given back (``_release``).
+        self._release_fd = release_fd
         self.out, jobs, self._device = f._plan(into)
         on_cpu = {id(dest) for _, dest in jobs}
         # Every tensor's bytes, in file order: (start in the file, entry, tensor or None for
@@ -293,7 +311,7 @@ class RangedRead:
         hold them, in the background."""
         import bisect
 
-        pieces = []
+        pieces, spans = [], []
         for r in ranges:
             if not (isinstance(r, list) and len(r) == 2 and all(_is_int(v) and v >= 0 for v in r)):
                 raise FormatError(f"{self.f.path}: a ready range is {_describe(r)}, not [offset, length]")
@@ -302,6 +320,7 @@ class RangedRead:
                 raise FormatError(f"{self.f.path}: ready bytes [{lo}, {hi}) are outside its data "
                                   f"[{self.f.data_start}, {self.f.size})")
             i = max(bisect.bisect_right(self._starts, lo) - 1, 0)
+            mine = []
             while i < len(self._jobs) and self._jobs[i][0] < hi:
                 start, e, dest = self._jobs[i]
                 a, b = max(lo, start), min(hi, start + e.nbytes)
@@ -310,18 +329,38 @@ class RangedRead:
                     if self._got[i] > e.nbytes:
                         raise FormatError(f"{self.f.path}: bytes of tensor {e.name!r} were given as ready twice")
                     if dest is not None:
-                        pieces.append((dest, a - start, a, b - a))
+                        mine.append((dest, a - start, a, b - a))
                 i += 1
+            pieces += mine
+            # What is read here may be given back: the whole range, unless part of it waits
+            # for finish() (a device tensor's bytes).
+            if sum(n for *_, n in mine) == hi - lo:
+                spans.append((lo, hi))
+            else:
+                spans += [(a, a + n) for _, _, a, n in mine]
         if pieces:
-            self._pending.append(self._pool.submit(self._read_pieces, pieces))
+            self._pending.append(self._pool.submit(self._read_pieces, pieces, spans))
             # Keep what is waited for bounded: drop the futures that are done.
             if len(self._pending) > _PENDING_CHECK:
                 self._pending = [p for p in self._pending if not p.done() or p.exception() is not None]
 
-    def _read_pieces(self, pieces):
+    def _read_pieces(self, pieces, spans):
         for dest, at, offset, n in pieces:
             mv = memoryview((ctypes.c_char * n).from_address(dest.data_ptr() + at)).cast("B")
             self.f._readinto(mv, offset)
+        for lo, hi in spans:
+            if self._release_fd is not None:
+                self._release(lo, hi)
+
+    def _release(self, lo, hi):
+        """Gives back the file's pages wholly inside ``[lo, hi)``, which were read: a hole is
+        punched there, so the file holds little more than the bytes not yet read. A file
+        system that cannot punch holes keeps them."""
+        lo, hi = -(-lo // _PAGE_BYTES) * _PAGE_BYTES, hi // _PAGE_BYTES * _PAGE_BYTES
+        if hi <= lo:
+            return
+        if _libc().fallocate(self._release_fd, _FALLOC_PUNCH_HOLE, ctypes.c_int64(lo), ctypes.c_int64(hi - lo)) != 0:
+            self._release_fd = None
 
     def finish(self):
         """Waits for the reads, checks that every tensor was read whole, reads the device

@@ -136,11 +136,35 @@ class LoadFrom(tc.TorchEnv):
         leftovers = [n for n in os.listdir(os.environ.get("TMPDIR", "/tmp")) if n.startswith("elastic_run-load_from-")]
         self.assertEqual(leftovers, [])
 
+    def test_the_restored_files_pages_are_given_back_as_they_are_read(self):
+        from elastic_run import _read
+
+        saved, _, url = self.commit(big=600_000)
+        held = []
+        finish = _read.RangedRead.finish
+
+        def spy(self_):
+            out = finish(self_)
+            st = os.fstat(self_.f.fd)
+            held.append((st.st_blocks * 512, st.st_size))
+            return out
+
+        with mock.patch.object(_read.RangedRead, "finish", spy):
+            fresh = self.state(7)
+            self.assertEqual(er.load_from(url, fresh, work_dir=self.tmp.name), 5)
+        self.assert_same(saved, fresh)
+        self.assertTrue(self.torch.equal(fresh["progress"]["big"], saved["progress"]["big"]))
+        [(allocated, size)] = held
+        self.assertGreater(size, 2_400_000)
+        # What stays is the header's page and the pages that two chunks' ranges share.
+        self.assertLess(allocated, size // 8, f"{allocated} of {size} bytes still held once everything was read")
+        self.assertEqual([n for n in os.listdir(self.tmp.name) if n.startswith("elastic_run-load_from-")], [])
+
     def test_a_newest_step_that_breaks_midway_is_dropped_for_the_older_one_whole(self):
         from elastic_run import _read
 
-        older, _, url = self.commit(step=4, seed=1, big=600_000)
-        newer, _, _ = self.commit(step=5, seed=2, big=600_000)
+        older, _, url = self.commit(step=4, seed=1, big=4_000_000)
+        newer, _, _ = self.commit(step=5, seed=2, big=4_000_000)
         shown = json.loads(self.ckpt("--json", "show", url, "--step", "5").stdout)
         keys = [o["key"] for o in shown["objects"]]
         self.assertGreaterEqual(len(keys), 3, "the step needs several chunks")
@@ -238,6 +262,72 @@ class LoadFrom(tc.TorchEnv):
             er.load_from("file://" + empty, {})
         with self.assertRaisesRegex(ValueError, "not a step number"):
             er.load_from(empty, {}, step=-1)
+
+
+class RestoreEvents(tc.TorchEnv):
+    """How load_from follows `elastic-ckpt restore --events` when it reads them late: a step
+    whose file is already gone (it failed) is skipped, and a file already renamed into place
+    (the restore ended) is read there."""
+
+    def setUp(self):
+        super().setUp()
+        for k in ("RANK", "WORLD_SIZE"):
+            os.environ.pop(k, None)
+        self.dest = os.path.join(self.tmp.name, "restored")
+        os.mkdir(self.dest)
+
+    def feed(self, load, *events):
+        for ev in events:
+            load.event(json.dumps(ev).encode() + b"\n")
+
+    def step(self, n):
+        return {"event": "step", "step": n, "metadata": {"step": n, "rank": 0, "world_size": 1,
+                                                         "metadata": {"state": {}}}}
+
+    def file(self, n, path):
+        return {"event": "file", "step": n, "name": "state.safetensors", "path": path, "bytes": os.path.getsize(
+            os.path.join(self.dest, "state.safetensors")) if os.path.exists(os.path.join(self.dest, "state.safetensors"))
+            else 1000}
+
+    def test_a_step_whose_file_is_gone_is_skipped_and_a_renamed_file_is_read_where_it_is(self):
+        from safetensors.torch import save_file
+
+        from elastic_run import _load_from
+
+        load = _load_from._Overlapped("file:///b", self.dest, {}, True)
+        gone = os.path.join(self.dest, ".state.safetensors.tmp-1")
+        # Step 6 failed before its events were read: nothing of it exists any more.
+        self.feed(load, self.step(6), self.file(6, gone),
+                  {"event": "ready", "step": 6, "name": "state.safetensors", "ranges": [[100, 8]]},
+                  {"event": "failed", "step": 6, "error": "corrupt"})
+        with self.assertRaisesRegex(er.CheckpointUnavailable, "without restoring a step"):
+            load.finish()
+        # Step 5 ended, and renamed its file, before its events were read.
+        t = self.torch.arange(10, dtype=self.torch.float32)
+        save_file({"model/w": t}, os.path.join(self.dest, "state.safetensors"), metadata={"elastic.step": "5"})
+        size = os.path.getsize(os.path.join(self.dest, "state.safetensors"))
+        self.feed(load, self.step(5), self.file(5, os.path.join(self.dest, ".state.safetensors.tmp-2")),
+                  {"event": "ready", "step": 5, "name": "state.safetensors", "ranges": [[size - 40, 40]]})
+        step, tensors, rest, shards = load.finish()
+        self.assertEqual((step, rest, shards), (5, {}, {}))
+        self.assertTrue(self.torch.equal(tensors["model/w"], t))
+        # Its own name holding another step's file means the step is gone too.
+        load = _load_from._Overlapped("file:///b", self.dest, {}, True)
+        self.feed(load, self.step(7), self.file(7, os.path.join(self.dest, ".state.safetensors.tmp-3")))
+        self.assertTrue(load.gone)
+        # A range outside the data, or given twice, is refused.
+        load = _load_from._Overlapped("file:///b", self.dest, {}, True)
+        ready = {"event": "ready", "step": 5, "name": "state.safetensors", "ranges": [[size - 40, 40]]}
+        self.feed(load, self.step(5), self.file(5, os.path.join(self.dest, ".x")), ready)
+        with self.assertRaisesRegex(er.FormatError, "given as ready twice"):
+            self.feed(load, ready)
+        with self.assertRaisesRegex(er.FormatError, "outside its data"):
+            self.feed(load, {**ready, "ranges": [[0, 8]]})
+        load.abandon()
+        # A path outside the directory it was given is refused.
+        load = _load_from._Overlapped("file:///b", self.dest, {}, True)
+        with self.assertRaisesRegex(er.FormatError, "outside"):
+            self.feed(load, self.step(5), self.file(5, "/etc/.passwd"))
 
 
 if __name__ == "__main__":
