@@ -480,14 +480,10 @@ def bench_restore(a, model, opt, base, disk, moto):
                     "fetch_rss_rise_mib": js["rss_rise_bytes"] / 2**20}
         return run
 
-    def m_from(kind, world, overlap=None):
+    def m_from(kind, world):
         """elastic_run.load_from(URL): the restore (elastic-ckpt restore --events, into
-        `base`) and the load into the model and optimizer, the load overlapping the restore on
-        machines of 4 cores or more (`overlap` forces it on or off)."""
-        from elastic_run import _read
-
+        `base`) with the load overlapped, read into the model and optimizer."""
         def run():
-            _read._OVERLAP_CORES_MIN = {None: 4, True: 1, False: 1 << 20}[overlap]
             wipe(model, opt)
             er_env(base, 0, world)
             before = dict(os.environ)
@@ -570,7 +566,6 @@ def bench_restore(a, model, opt, base, disk, moto):
         ("dcp.load (file, cold cache)", cold(m_dcp)),
         ("raw object_store get of the step (file, cold cache)", cold(m_raw("file"))),
         ("elastic_run.load_from, world 2->2 (file)", m_from("file", 2)),
-        ("elastic_run.load_from, world 2->2 (file), overlapped", m_from("file", 2, True)),
         ("checkpoint restore + elastic_run.load, world 2->3 (file)", m_er("file", 3)),
         ("raw object_store get of the step (file)", m_raw("file")),
         ("checkpoint restore only, row-sharded state, world 2->2 (file)", m_shard(2)),
@@ -587,8 +582,6 @@ def bench_restore(a, model, opt, base, disk, moto):
             ("checkpoint restore + elastic_run.load, world 2->2 (s3, raw chunks)",
              s3_warm("s3-raw", m_er("s3-raw", 2))),
             ("elastic_run.load_from, world 2->2 (s3, raw chunks)", s3_warm("s3-raw", m_from("s3-raw", 2))),
-            ("elastic_run.load_from, world 2->2 (s3, raw chunks), overlapped",
-             s3_warm("s3-raw", m_from("s3-raw", 2, True))),
             ("raw object_store get of the step (s3, raw chunks)", s3_warm("s3-raw", m_raw("s3-raw"))),
             ("checkpoint restore only, row-sharded state, world 2->2 (s3, compressed)",
              s3_warm("sharded-s3", m_shard(2, "sharded-s3"))),

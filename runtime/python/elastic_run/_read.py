@@ -36,10 +36,8 @@ _THREADS_MAX = 4
 # read while the other is copied to the device), each at most this many bytes.
 _PINNED_BUFFER_BYTES = 32 << 20
 _PINNED_BUFFERS = 2
-# A RangedRead reads while the file is written on machines of at least this many cores, with
-# this many threads (it shares the cores with the writer); with fewer cores, once the writer
-# is done, with up to _THREADS_MAX (BENCHMARKS.md §3).
-_OVERLAP_CORES_MIN = 4
+# Threads of a RangedRead: it shares the cores with the process writing the file (one measured
+# faster than two on 2 cores, BENCHMARKS.md §3).
 _OVERLAP_THREADS = 1
 # A RangedRead drops its finished reads from its list once it holds more than this many.
 _PENDING_CHECK = 64
@@ -284,21 +282,15 @@ class RangedRead:
     """Reads the tensors of a :class:`TensorFile` that is still being written, as its writer
     says which byte ranges of it are final (``elastic-ckpt restore --events``), so the reads
     overlap the writing. Planned as :meth:`TensorFile.read` plans (without views); each range
-    is read, as soon as it is given, into the parts of the CPU tensors it holds, in the
-    background (on a machine of fewer than :data:`_OVERLAP_CORES_MIN` cores, or with
-    ``overlap=False``: all at once by :meth:`finish`). Tensors on a device are read whole by
-    :meth:`finish`. Given ``release_fd`` (the file open for writing), the pages of what was
-    read into CPU tensors are given back as it goes. Each byte of every tensor must be given
-    exactly once: :meth:`finish` raises :class:`FormatError` for a tensor that is not
-    complete, and :meth:`ready` for a range outside the data or given twice."""
+    is read, as soon as it is given, into the parts of the CPU tensors it holds, on a few
+    threads. Tensors on a device are read whole by :meth:`finish`. Given ``release_fd`` (the
+    file open for writing), the pages of what was read into CPU tensors are given back as it
+    goes. Each byte of every tensor
+    must be given exactly once: :meth:`finish` raises :class:`FormatError` for a tensor that
+    is not complete, and :meth:`ready` for a range outside the data or given twice."""
 
-    def __init__(self, f, into=None, release_fd=None, overlap=None):
+    def __init__(self, f, into=None, release_fd=None):
         self.f = f
-        # With few cores, reading while the file is written only shares them with the writer
-        # (measured slower on 2): the ranges are then read once the writer is done.
-        cores = os.cpu_count() or 1
-        self._overlap = cores >= _OVERLAP_CORES_MIN if overlap is None else overlap
-        self._deferred = []
         # A descriptor of the file open for writing: the pages of each range read into a CPU
         # tensor are then given back (``_release``).
         self._release_fd = release_fd
@@ -310,7 +302,7 @@ class RangedRead:
                              for e in f.entries.values() if e.nbytes), key=lambda j: j[0])
         self._starts = [j[0] for j in self._jobs]
         self._got = [0] * len(self._jobs)
-        self._pool = ThreadPoolExecutor(min(_OVERLAP_THREADS if self._overlap else _THREADS_MAX, cores),
+        self._pool = ThreadPoolExecutor(min(_OVERLAP_THREADS, os.cpu_count() or 1),
                                         thread_name_prefix="elastic-run-read")
         self._pending = []
 
@@ -346,9 +338,7 @@ class RangedRead:
                 spans.append((lo, hi))
             else:
                 spans += [(a, a + n) for _, _, a, n in mine]
-        if pieces and not self._overlap:
-            self._deferred.append((pieces, spans))
-        elif pieces:
+        if pieces:
             self._pending.append(self._pool.submit(self._read_pieces, pieces, spans))
             # Keep what is waited for bounded: drop the futures that are done.
             if len(self._pending) > _PENDING_CHECK:
@@ -375,10 +365,6 @@ class RangedRead:
     def finish(self):
         """Waits for the reads, checks that every tensor was read whole, reads the device
         tensors, and returns every tensor by name."""
-        # Largest first, so the threads finish together.
-        for pieces, spans in sorted(self._deferred, key=lambda d: -sum(n for *_, n in d[0])):
-            self._pending.append(self._pool.submit(self._read_pieces, pieces, spans))
-        self._deferred = []
         pending, self._pending = self._pending, []
         try:
             for p in pending:
@@ -397,7 +383,7 @@ class RangedRead:
         """Stops: the reads not yet started are dropped, the ones running waited for."""
         for p in self._pending:
             p.cancel()
-        self._pending, self._deferred = [], []
+        self._pending = []
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 

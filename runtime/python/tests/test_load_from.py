@@ -26,17 +26,8 @@ def ckpt_exe():
 
 
 class LoadFrom(tc.TorchEnv):
-    """Reading the restored file once the restore is done, as on a machine of few cores."""
-
-    OVERLAP_CORES_MIN = 1 << 20
-
     def setUp(self):
         super().setUp()
-        from elastic_run import _read
-
-        p = mock.patch.object(_read, "_OVERLAP_CORES_MIN", self.OVERLAP_CORES_MIN)
-        p.start()
-        self.addCleanup(p.stop)
         self.env(ELASTIC_CKPT=ckpt_exe())
         for k in ("RANK", "WORLD_SIZE", "ELASTIC_AGENT_SOCKET", "ELASTIC_RESUME_DIR", "ELASTIC_RESUME_STEP"):
             os.environ.pop(k, None)
@@ -271,12 +262,6 @@ class LoadFrom(tc.TorchEnv):
             er.load_from("file://" + empty, {})
         with self.assertRaisesRegex(ValueError, "not a step number"):
             er.load_from(empty, {}, step=-1)
-
-
-class LoadFromOverlapped(LoadFrom):
-    """Reading the restored file while the restore goes on, as on a machine of many cores."""
-
-    OVERLAP_CORES_MIN = 1
 
 
 class RestoreEvents(tc.TorchEnv):
