@@ -45,14 +45,16 @@ _PENDING_CHECK = 64
 # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE.
 _PAGE_BYTES = 4096
 _FALLOC_PUNCH_HOLE = 0x02 | 0x01
-_LIBC = []
+_LIBC = []  # the fallocate function (or None), looked up once
 
 
-def _libc():
+def _fallocate():
+    """libc's ``fallocate``, or None where there is none (not Linux)."""
     if not _LIBC:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-        _LIBC.append(libc)
+        fn = getattr(ctypes.CDLL(None, use_errno=True), "fallocate", None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        _LIBC.append(fn)
     return _LIBC[0]
 
 # safetensors dtype -> (torch dtype name, bytes per element).
@@ -282,12 +284,12 @@ class RangedRead:
     """Reads the tensors of a :class:`TensorFile` that is still being written, as its writer
     says which byte ranges of it are final (``elastic-ckpt restore --events``), so the reads
     overlap the writing. Planned as :meth:`TensorFile.read` plans (without views); each range
-    is read, as soon as it is given, into the parts of the CPU tensors it holds, on a few
-    threads. Tensors on a device are read whole by :meth:`finish`. Given ``release_fd`` (the
+    is read, as soon as it is given, into the parts of the CPU tensors it holds, on a thread of
+    its own. Tensors on a device are read whole by :meth:`finish`. Given ``release_fd`` (the
     file open for writing), the pages of what was read into CPU tensors are given back as it
-    goes. Each byte of every tensor
-    must be given exactly once: :meth:`finish` raises :class:`FormatError` for a tensor that
-    is not complete, and :meth:`ready` for a range outside the data or given twice."""
+    goes. Each byte of every tensor must be given exactly once: :meth:`finish` raises
+    :class:`FormatError` for a tensor that is not complete, and :meth:`ready` for a range
+    outside the data or given twice."""
 
     def __init__(self, f, into=None, release_fd=None):
         self.f = f
@@ -359,7 +361,8 @@ class RangedRead:
         lo, hi = -(-lo // _PAGE_BYTES) * _PAGE_BYTES, hi // _PAGE_BYTES * _PAGE_BYTES
         if hi <= lo:
             return
-        if _libc().fallocate(self._release_fd, _FALLOC_PUNCH_HOLE, ctypes.c_int64(lo), ctypes.c_int64(hi - lo)) != 0:
+        fallocate = _fallocate()
+        if fallocate is None or fallocate(self._release_fd, _FALLOC_PUNCH_HOLE, lo, hi - lo) != 0:
             self._release_fd = None
 
     def finish(self):
