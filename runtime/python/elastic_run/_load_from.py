@@ -216,7 +216,7 @@ class _Overlapped:
         if self.file.size != size:
             raise FormatError(f"{self.file.path}: {self.file.size} bytes, the restore says {size}")
         self.shards = _load._check_restored(self.file, self.dest, f"{where}: metadata", step, r, world)
-        into = self._plan(rest, where)(rest, self.file.entries)
+        into = self._destinations(rest, where)
         self.reader = _read.RangedRead(self.file, into, release_fd=self.release_fd)
 
     def _open_written(self, path, name, step):
@@ -246,15 +246,18 @@ class _Overlapped:
                 return None
             return f, fd
         return None
-    def _plan(self, rest, where):
-        """Which tensors the bytes go straight into (see :func:`_load._into`): the state form's
-        own tensors, or the model and optimizer of a ``save(step, model=, optimizer=)`` step."""
+    def _destinations(self, rest, where):
+        """Which tensors the bytes go straight into (see :func:`_load._into`, which checks the
+        state against the file first): the state form's own tensors, or the model and
+        optimizer of a ``save(step, model=, optimizer=)`` step."""
         if _tree.is_skeleton(rest):
-            return _load._into(self.state, None, None, self.strict, self.shards, where)
-        if isinstance(self.state, dict) and set(self.state) <= {"model", "optimizer"}:
-            return _load._into(None, self.state.get("model"), self.state.get("optimizer"), self.strict,
+            plan = _load._into(self.state, None, None, self.strict, self.shards, where)
+        elif isinstance(self.state, dict) and set(self.state) <= {"model", "optimizer"}:
+            plan = _load._into(None, self.state.get("model"), self.state.get("optimizer"), self.strict,
                                self.shards, where)
-        return lambda rest, entries: None
+        else:
+            return None
+        return plan(rest, self.file.entries)
 
     def _drop(self):
         if self.reader is not None:

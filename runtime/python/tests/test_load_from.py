@@ -284,10 +284,8 @@ class RestoreEvents(tc.TorchEnv):
         return {"event": "step", "step": n, "metadata": {"step": n, "rank": 0, "world_size": 1,
                                                          "metadata": {"state": {}}}}
 
-    def file(self, n, path):
-        return {"event": "file", "step": n, "name": "state.safetensors", "path": path, "bytes": os.path.getsize(
-            os.path.join(self.dest, "state.safetensors")) if os.path.exists(os.path.join(self.dest, "state.safetensors"))
-            else 1000}
+    def file(self, n, path, size=1000):
+        return {"event": "file", "step": n, "name": "state.safetensors", "path": path, "bytes": size}
 
     def test_a_step_whose_file_is_gone_is_skipped_and_a_renamed_file_is_read_where_it_is(self):
         from safetensors.torch import save_file
@@ -306,7 +304,7 @@ class RestoreEvents(tc.TorchEnv):
         t = self.torch.arange(10, dtype=self.torch.float32)
         save_file({"model/w": t}, os.path.join(self.dest, "state.safetensors"), metadata={"elastic.step": "5"})
         size = os.path.getsize(os.path.join(self.dest, "state.safetensors"))
-        self.feed(load, self.step(5), self.file(5, os.path.join(self.dest, ".state.safetensors.tmp-2")),
+        self.feed(load, self.step(5), self.file(5, os.path.join(self.dest, ".state.safetensors.tmp-2"), size),
                   {"event": "ready", "step": 5, "name": "state.safetensors", "ranges": [[size - 40, 40]]})
         step, tensors, rest, shards = load.finish()
         self.assertEqual((step, rest, shards), (5, {}, {}))
@@ -318,7 +316,7 @@ class RestoreEvents(tc.TorchEnv):
         # A range outside the data, or given twice, is refused.
         load = _load_from._Overlapped("file:///b", self.dest, {}, True)
         ready = {"event": "ready", "step": 5, "name": "state.safetensors", "ranges": [[size - 40, 40]]}
-        self.feed(load, self.step(5), self.file(5, os.path.join(self.dest, ".x")), ready)
+        self.feed(load, self.step(5), self.file(5, os.path.join(self.dest, ".x"), size), ready)
         with self.assertRaisesRegex(er.FormatError, "given as ready twice"):
             self.feed(load, ready)
         with self.assertRaisesRegex(er.FormatError, "outside its data"):
