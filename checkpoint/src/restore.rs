@@ -68,6 +68,12 @@ pub struct ReadOptions {
     /// Whether the output files are fsynced before they are renamed into place (true by
     /// default). False for output that is read once and removed, which a crash may lose.
     pub sync: bool,
+    /// With `events`, on a local directory: when every chunk a step needs is raw, none is
+    /// copied. Each is read and checked where it lies, and a [`ReadEvent::Source`] names the
+    /// chunk's file for the reader to read the bytes from; the step's output files are not
+    /// written (a [`ReadEvent::Header`] gives each one's header instead). Otherwise (a
+    /// compressed chunk, a remote store) the step is written as usual.
+    pub no_copy: bool,
 }
 
 impl Default for ReadOptions {
@@ -77,6 +83,7 @@ impl Default for ReadOptions {
             progress: None,
             events: None,
             sync: true,
+            no_copy: false,
         }
     }
 }
@@ -84,7 +91,9 @@ impl Default for ReadOptions {
 /// What a read reports while it runs, for a reader that uses the output before the read ends
 /// (`elastic-ckpt restore --events`, which `elastic_run.load_from` reads). A step's events
 /// come in this order: `Step`, one `File` for each output, then `Ready`s, as chunks come in;
-/// and `Failed` if the step's read fails. A restore that falls back then starts again with the
+/// and `Failed` if the step's read fails. A step read without copies
+/// ([`ReadOptions::no_copy`]) has a `Header` for each output instead of its `File`, and
+/// `Source`s instead of `Ready`s. A restore that falls back then starts again with the
 /// older step's `Step`. Only a read that ends without error has delivered the step: what
 /// was ready of a failed step is to be dropped, whatever was read of it.
 #[derive(Debug, Clone, Serialize)]
@@ -111,6 +120,29 @@ pub enum ReadEvent {
         name: String,
         ranges: Vec<[u64; 2]>,
     },
+    /// Output `name` is not written ([`ReadOptions::no_copy`]): it would be `bytes` long, and
+    /// begin with the 8-byte little-endian length of `header` and then `header`, a
+    /// safetensors JSON header. Its data comes in `Source` events.
+    Header {
+        step: u64,
+        name: String,
+        bytes: u64,
+        header: String,
+    },
+    /// Byte ranges of output `name` are the bytes of the file `path` (a chunk of a local
+    /// directory, `bytes` long, device `dev` and inode `ino` when it was checked) at
+    /// `[offset in the output, length, offset in path]`: every checksum over them was checked
+    /// there. A reader opens `path` without following a symlink and reads there only while
+    /// it is still that file.
+    Source {
+        step: u64,
+        name: String,
+        path: PathBuf,
+        bytes: u64,
+        dev: u64,
+        ino: u64,
+        ranges: Vec<[u64; 3]>,
+    },
     /// The step's read failed: its temporary outputs are gone.
     Failed { step: u64, error: String },
 }
@@ -124,8 +156,11 @@ pub struct RestoreReport {
     pub step: u64,
     pub rank: u32,
     pub world_size: u32,
-    /// `<dest>/state.safetensors`.
+    /// `<dest>/state.safetensors`, unless `written` is false.
     pub path: PathBuf,
+    /// False when a read without copies ([`ReadOptions::no_copy`]) wrote no state file: its
+    /// bytes lie in the store's chunks, where its events named them.
+    pub written: bool,
     /// `<dest>/metadata.json`: step, rank, world sizes and the trainer metadata.
     pub metadata_path: PathBuf,
     pub tensors: usize,
@@ -325,16 +360,17 @@ impl Store {
             "step": step, "rank": rank, "world_size": world,
             "saved_world_size": m.world_size, "metadata": m.metadata,
         });
-        self.materialize(
-            &m,
-            layout,
-            Some(&meta),
-            dest,
-            RootLink::Follow,
-            opts,
-            cancel,
-        )
-        .await?;
+        let written = self
+            .materialize(
+                &m,
+                layout,
+                Some(&meta),
+                dest,
+                RootLink::Follow,
+                opts,
+                cancel,
+            )
+            .await?;
         let meta_path = dest.join(RESTORE_METADATA_FILE);
         let meta_bytes = serde_json::to_vec_pretty(&meta).expect("json");
         tokio::task::spawn_blocking(move || write_file_durable(&meta_path, &meta_bytes))
@@ -347,6 +383,7 @@ impl Store {
             world_size: world,
             path: dest.join(RESTORE_FILE),
             metadata_path: dest.join(RESTORE_METADATA_FILE),
+            written,
             tensors: out_tensors.len(),
             bytes: offset,
             skipped_steps: Vec::new(),

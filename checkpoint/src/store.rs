@@ -224,6 +224,11 @@ impl Store {
         self.local_root.is_some()
     }
 
+    /// On `file://`, the store's root directory.
+    pub(crate) fn local_root(&self) -> Option<&std::path::Path> {
+        self.local_root.as_deref()
+    }
+
     /// On `file://`, the file that holds `key` (read only through
     /// [`crate::local::open_regular`]: never a symlink, never a FIFO).
     pub(crate) fn local_file(&self, key: &str) -> Option<PathBuf> {

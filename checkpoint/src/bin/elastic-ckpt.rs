@@ -122,6 +122,15 @@ enum Cmd {
         /// exits 0 has restored the last step named.
         #[arg(long)]
         events: bool,
+        /// With --events, from a local directory whose chunks the step needs are all raw: copy
+        /// nothing. Each chunk is checked where it lies, and the state file is not written:
+        /// `{"event": "header", "step", "name", "bytes", "header"}` gives its safetensors
+        /// header instead of the file event, and `{"event": "source", "step", "name", "path",
+        /// "bytes", "dev", "ino", "ranges": [[offset, length, offset in path], ...]}`, once
+        /// a chunk is checked, where its bytes lie (the chunk's file, as it was checked).
+        /// Otherwise the state file is written as without it.
+        #[arg(long, requires = "events")]
+        no_copy: bool,
         /// Skip the fsyncs of the state file: for a restore that is read once and removed
         /// (`elastic_run.load_from` passes it), on a disk they cost more than the read.
         #[arg(long)]
@@ -556,6 +565,7 @@ async fn run(cli: Cli) -> Result<()> {
             world_size,
             events,
             no_sync,
+            no_copy,
         } => {
             checkpoint::restore::check_fresh_dir(&dir, "restore target")?;
             if events && dir.to_str().is_none() {
@@ -584,6 +594,7 @@ async fn run(cli: Cli) -> Result<()> {
                     })
                 }),
                 sync: !no_sync,
+                no_copy,
             };
             let report = store
                 .restore(step, rank, world_size, &dir, &opts, &cancel)
@@ -604,16 +615,21 @@ async fn run(cli: Cli) -> Result<()> {
                     "bytes": report.bytes,
                     "skipped_steps": report.skipped_steps,
                     "files": {
-                        "state": abs(&report.path),
+                        "state": report.written.then(|| abs(&report.path)),
                         "metadata": abs(&report.metadata_path),
                     },
                 }))?;
             } else {
                 println!(
-                    "restored step {} for rank {rank} of {world_size}: {} tensors, {} into {}",
+                    "restored step {} for rank {rank} of {world_size}: {} tensors, {} {} {}",
                     report.step,
                     report.tensors,
                     human_bytes(report.bytes),
+                    if report.written {
+                        "into"
+                    } else {
+                        "checked where the events say, none copied; metadata into"
+                    },
                     dir.display()
                 );
             }

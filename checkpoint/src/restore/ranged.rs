@@ -151,7 +151,38 @@ impl Store {
     fn read_local_blocks<S>(
         &self,
         step: u64,
+        blocks: Blocks,
+        runs: &[(u64, u64)],
+        cancel: &CancellationToken,
+        sink: S,
+    ) -> Result<()>
+    where
+        S: FnMut(u64, &[u8]) -> Result<()>,
+    {
+        let f = self.open_local_raw(step, &blocks.o)?;
+        self.read_open_blocks(step, blocks, &f, runs, cancel, sink)
+    }
+
+    /// Checks the blocks `runs` of raw object `o` in its open file `f`, reading them and
+    /// keeping nothing.
+    pub(super) fn check_local_blocks(
+        &self,
+        step: u64,
+        o: &ObjectEntry,
+        f: &std::fs::File,
+        runs: &[(u64, u64)],
+        cancel: &CancellationToken,
+    ) -> Result<()> {
+        let blocks = Blocks::new(self, step, o)?;
+        self.read_open_blocks(step, blocks, f, runs, cancel, |_, _| Ok(()))
+    }
+
+    /// [`Store::read_local_blocks`] from the object's open file `f`.
+    fn read_open_blocks<S>(
+        &self,
+        step: u64,
         mut blocks: Blocks,
+        f: &std::fs::File,
         runs: &[(u64, u64)],
         cancel: &CancellationToken,
         mut sink: S,
@@ -160,7 +191,6 @@ impl Store {
         S: FnMut(u64, &[u8]) -> Result<()>,
     {
         let o = blocks.o.clone();
-        let f = self.open_local_raw(step, &o)?;
         let longest = blocks.stored.iter().map(|(a, b)| b - a).max().unwrap_or(0);
         let mut buf = vec![0u8; usize::try_from(longest).unwrap_or(0)];
         let mut read = 0u64;
@@ -174,7 +204,7 @@ impl Store {
                     }
                     let (a, b) = blocks.stored[block as usize];
                     let bytes = &mut buf[..(b - a) as usize];
-                    self.read_local_at(step, &o, &f, bytes, a)?;
+                    self.read_local_at(step, &o, f, bytes, a)?;
                     read += b - a;
                     let (at, decoded) = blocks.open(self, step, block, bytes)?;
                     sink(at, decoded)?;

@@ -79,7 +79,9 @@ impl Store {
     /// renamed into place before every one is written, so a failed read leaves none of them
     /// behind. `root_link` says whether `dest` itself may be a symlink. Progress counts the
     /// bytes written; `opts.events` hears of the step (with `metadata`), its files and each
-    /// chunk's bytes once they are checked and written, and of a failure.
+    /// chunk's bytes once they are checked and written, and of a failure. Returns false when
+    /// nothing was written: a read without copies ([`ReadOptions::no_copy`]) that pointed its
+    /// events at the chunks.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn materialize(
         &self,
@@ -90,7 +92,7 @@ impl Store {
         root_link: RootLink,
         opts: &ReadOptions,
         cancel: &CancellationToken,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         crate::local::create_dir_private(dest)?;
         if let Some(ev) = &opts.events {
             ev(&ReadEvent::Step {
@@ -130,13 +132,29 @@ impl Store {
         opts: &ReadOptions,
         cancel: &CancellationToken,
         made_dirs: &mut Vec<PathBuf>,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let Layout {
             files: outs,
             copies: ops,
         } = layout;
+        let mut by_object: BTreeMap<u32, Vec<CopyOp>> = BTreeMap::new();
+        for op in ops {
+            by_object.entry(op.object).or_default().push(op);
+        }
+        let point = self.can_point(m, &by_object, opts);
         let mut files = Vec::with_capacity(outs.len());
-        for o in &outs {
+        for o in outs.iter().filter(|_| point) {
+            if let Some(ev) = &opts.events {
+                ev(&ReadEvent::Header {
+                    step: m.step,
+                    name: o.rel.clone(),
+                    bytes: o.total_bytes,
+                    header: String::from_utf8_lossy(o.prefix.get(8..).unwrap_or_default())
+                        .into_owned(),
+                });
+            }
+        }
+        for o in outs.iter().filter(|_| !point) {
             // Never through a symlink inside `dest`, and never over one.
             let f = DurableFile::create_in(dest, &o.rel, root_link)?;
             made_dirs.extend(f.created_dirs.iter().cloned());
@@ -154,10 +172,6 @@ impl Store {
         }
         let files = Arc::new(files);
         let outs = &outs;
-        let mut by_object: BTreeMap<u32, Vec<CopyOp>> = BTreeMap::new();
-        for op in ops {
-            by_object.entry(op.object).or_default().push(op);
-        }
         // The first failure stops the other chunks (at their next block or store call), and
         // every chunk in flight is waited for, so that no task still holds an output file when
         // this returns: a failed read leaves nothing behind.
@@ -170,6 +184,35 @@ impl Store {
                     let n: u64 = ops.iter().map(|op| op.len).sum();
                     let ready = opts.events.as_ref().map(|_| ready_ranges(&ops));
                     let o = &m.objects[object as usize];
+                    if point {
+                        // Checked where it lies; the reader reads it there.
+                        let (store, obj, abort) = (self.clone(), o.clone(), abort.clone());
+                        let step = m.step;
+                        let (ops, source) = tokio::task::spawn_blocking(move || {
+                            store
+                                .check_local_raw(step, &obj, &ops, &abort)
+                                .map(|s| (ops, s))
+                        })
+                        .await
+                        .map_err(|e| Error::task_failed("read", e))??;
+                        if let Some(p) = &opts.progress {
+                            p(n);
+                        }
+                        if let Some(ev) = &opts.events {
+                            for (out, ranges) in source_ranges(&ops) {
+                                ev(&ReadEvent::Source {
+                                    step: m.step,
+                                    name: outs[out].rel.clone(),
+                                    path: source.0.clone(),
+                                    bytes: o.stored_bytes,
+                                    dev: source.1,
+                                    ino: source.2,
+                                    ranges,
+                                });
+                            }
+                        }
+                        return Ok(());
+                    }
                     if let Some(runs) = super::ranged::needed_blocks(o, &ops) {
                         // Part of a raw chunk: only the blocks that hold it, each checked.
                         let stop = abort.clone();
@@ -237,13 +280,36 @@ impl Store {
         if let Some(e) = failed {
             return Err(e);
         }
+        if point {
+            return Ok(false);
+        }
         let files = Arc::try_unwrap(files).map_err(|_| {
             Error::InvalidInput("output files still shared after all writes".into())
         })?;
         let sync = opts.sync;
         tokio::task::spawn_blocking(move || files.into_iter().try_for_each(|f| f.commit_as(sync)))
             .await
-            .map_err(|e| Error::task_failed("fsync", e))?
+            .map_err(|e| Error::task_failed("fsync", e))??;
+        Ok(true)
+    }
+
+    /// Whether a read of the objects `by_object` goes without copies: asked for
+    /// ([`ReadOptions::no_copy`], with events to say where the bytes are), on a local
+    /// directory whose paths the events can carry (UTF-8), and every object raw.
+    fn can_point(
+        &self,
+        m: &Manifest,
+        by_object: &BTreeMap<u32, Vec<CopyOp>>,
+        opts: &ReadOptions,
+    ) -> bool {
+        opts.no_copy
+            && opts.events.is_some()
+            && self.local_root().is_some_and(|p| p.to_str().is_some())
+            && by_object.keys().all(|&i| {
+                m.objects
+                    .get(i as usize)
+                    .is_some_and(|o| o.codec == Codec::Raw)
+            })
     }
 }
 
@@ -264,6 +330,32 @@ fn ready_ranges(ops: &[CopyOp]) -> BTreeMap<usize, Vec<[u64; 2]>> {
             match joined.last_mut() {
                 Some(last) if last[0] + last[1] == at => last[1] += len,
                 _ => joined.push([at, len]),
+            }
+        }
+        *ranges = joined;
+    }
+    by_out
+}
+
+/// What `ops` take of one object, by output file: `[offset in the output, length, offset in
+/// the object]`, in order, with ranges that meet on both sides joined.
+fn source_ranges(ops: &[CopyOp]) -> BTreeMap<usize, Vec<[u64; 3]>> {
+    let mut by_out: BTreeMap<usize, Vec<[u64; 3]>> = BTreeMap::new();
+    for op in ops.iter().filter(|op| op.len > 0) {
+        by_out
+            .entry(op.out)
+            .or_default()
+            .push([op.out_offset, op.len, op.obj_offset]);
+    }
+    for ranges in by_out.values_mut() {
+        ranges.sort_unstable();
+        let mut joined: Vec<[u64; 3]> = Vec::with_capacity(ranges.len());
+        for &[at, len, from] in ranges.iter() {
+            match joined.last_mut() {
+                Some(last) if last[0] + last[1] == at && last[2] + last[1] == from => {
+                    last[1] += len
+                }
+                _ => joined.push([at, len, from]),
             }
         }
         *ranges = joined;
@@ -301,6 +393,35 @@ impl Store {
         self.copy_local_raw(step, o, &f, ops, files, cancel)?;
         self.count_read(o.stored_bytes);
         Ok(())
+    }
+
+    /// Checks what `ops` take of raw object `o` of a `file://` store where it lies, without
+    /// copying it: the blocks that hold it ([`super::ranged::needed_blocks`]), or the whole
+    /// object. Returns the file's path, device and inode as checked.
+    fn check_local_raw(
+        &self,
+        step: u64,
+        o: &ObjectEntry,
+        ops: &[CopyOp],
+        cancel: &CancellationToken,
+    ) -> Result<(PathBuf, u64, u64)> {
+        use std::os::unix::fs::MetadataExt;
+
+        let path = self.local_file(&o.key).ok_or_else(|| {
+            Error::InvalidInput(format!("{} is not a local directory", self.url()))
+        })?;
+        let f = self.open_local_raw(step, o)?;
+        let st = f
+            .metadata()
+            .map_err(|e| self.local_error("get", &o.key, e))?;
+        match super::ranged::needed_blocks(o, ops) {
+            Some(runs) => self.check_local_blocks(step, o, &f, &runs, cancel)?,
+            None => {
+                self.copy_local_raw(step, o, &f, &[], &[], cancel)?;
+                self.count_read(o.stored_bytes);
+            }
+        }
+        Ok((path, st.dev(), st.ino()))
     }
 
     /// Opens the file of raw object `o` of a `file://` store (a regular file only: never

@@ -557,6 +557,9 @@ async fn a_restore_tells_what_is_final_as_it_goes_and_starts_over_on_a_fallback(
                     );
                     s.log.push(format!("failed {step}"));
                 }
+                ReadEvent::Header { .. } | ReadEvent::Source { .. } => {
+                    panic!("a memory store's restore copies: {ev:?}")
+                }
             }
         })
     };

@@ -345,3 +345,193 @@ async fn resharding_reads_the_blocks_of_the_rows_and_format_1_reads_whole_chunks
         "{whole} bytes read for {stored} stored"
     );
 }
+
+/// What a restore without copies said, put together as a reader outside it would: the state
+/// file from its `header` event and the bytes its `source` events name, each read from the
+/// chunk file there once that file is checked to be the one the event names.
+struct Pointed {
+    report: checkpoint::RestoreReport,
+    log: Vec<String>,
+    /// Step -> the state file as its events give it, and how often each byte was given.
+    files: BTreeMap<u64, (Vec<u8>, Vec<u8>)>,
+}
+
+async fn restore_without_copies(
+    store: &Store,
+    root: Option<&Path>,
+    step: Option<u64>,
+    rank: u32,
+    world: u32,
+) -> (Pointed, tempfile::TempDir) {
+    use checkpoint::ReadEvent;
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    use std::sync::{Arc, Mutex};
+
+    let seen = Arc::new(Mutex::new((Vec::<String>::new(), BTreeMap::new())));
+    let root = root.map(Path::to_path_buf);
+    let events: checkpoint::ReadEvents = {
+        let seen = seen.clone();
+        Arc::new(move |ev: &ReadEvent| {
+            let mut guard = seen.lock().unwrap();
+            let (log, files) = &mut *guard;
+            let line = match ev {
+                ReadEvent::Step { step, .. } => format!("step {step}"),
+                ReadEvent::Header {
+                    step,
+                    name,
+                    bytes,
+                    header,
+                } => {
+                    assert_eq!(name, RESTORE_FILE);
+                    let mut f = (header.len() as u64).to_le_bytes().to_vec();
+                    f.extend_from_slice(header.as_bytes());
+                    let given = vec![1; f.len()];
+                    f.resize(*bytes as usize, 0);
+                    let mut count = given;
+                    count.resize(*bytes as usize, 0);
+                    files.insert(*step, (f, count));
+                    format!("header {step}")
+                }
+                ReadEvent::Source {
+                    step,
+                    name,
+                    path,
+                    bytes,
+                    dev,
+                    ino,
+                    ranges,
+                } => {
+                    assert_eq!(name, RESTORE_FILE);
+                    assert!(
+                        path.starts_with(root.as_ref().expect("a local store")),
+                        "{}",
+                        path.display()
+                    );
+                    let src = std::fs::File::open(path).unwrap();
+                    let st = src.metadata().unwrap();
+                    assert_eq!((st.dev(), st.ino(), st.len()), (*dev, *ino, *bytes));
+                    let (f, count) = files.get_mut(step).unwrap();
+                    for &[at, len, from] in ranges {
+                        let (a, b) = (at as usize, (at + len) as usize);
+                        src.read_exact_at(&mut f[a..b], from).unwrap();
+                        count[a..b].iter_mut().for_each(|c| *c += 1);
+                    }
+                    format!("source {step}")
+                }
+                ReadEvent::File { step, .. } => format!("file {step}"),
+                ReadEvent::Ready { step, .. } => format!("ready {step}"),
+                ReadEvent::Failed { step, .. } => format!("failed {step}"),
+            };
+            if log.last() != Some(&line) {
+                log.push(line);
+            }
+        })
+    };
+    let opts = ReadOptions {
+        concurrency: 1,
+        events: Some(events),
+        no_copy: true,
+        ..Default::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let report = store
+        .restore(step, rank, world, dir.path(), &opts, &cancel())
+        .await
+        .unwrap();
+    let (log, files) = std::mem::take(&mut *seen.lock().unwrap());
+    (Pointed { report, log, files }, dir)
+}
+
+/// A restore without copies from a local directory of raw chunks writes no state file: its
+/// events give the header and, chunk by chunk once each is checked, where its bytes lie in
+/// the store. Put together, that is bitwise the file a restore writes, at every world size,
+/// each byte given once; resharding checks only the blocks of the rows. From a memory store,
+/// or from compressed chunks, the file is written as without it.
+#[tokio::test]
+async fn a_restore_without_copies_names_the_checked_chunks_that_hold_the_state() {
+    use checkpoint::format::CHECK_BLOCK_BYTES;
+
+    let root = tempfile::tempdir().unwrap();
+    let local = Store::open(&format!("file://{}", root.path().display())).unwrap();
+    save(&local, 7).await;
+    let m = local.read_manifest(7, &cancel()).await.unwrap();
+    let stored: u64 = m.objects.iter().map(|o| o.stored_bytes).sum();
+    for world in [1u32, 2, 3] {
+        for rank in 0..world {
+            let before = local.read_stats().bytes;
+            let (p, dir) =
+                restore_without_copies(&local, Some(root.path()), None, rank, world).await;
+            let read = local.read_stats().bytes - before;
+            assert_eq!(
+                p.log,
+                ["step 7", "header 7", "source 7"],
+                "rank {rank} of {world}"
+            );
+            assert!(!p.report.written);
+            assert_eq!(
+                std::fs::read_dir(dir.path())
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name().into_string().unwrap())
+                    .collect::<Vec<_>>(),
+                ["metadata.json"]
+            );
+            let (got, count) = &p.files[&7];
+            assert!(count.iter().all(|&c| c == 1), "every byte given once");
+            assert_eq!(got, &restore(&local, Some(7), rank, world).await.1);
+            if world == 3 {
+                assert!(
+                    read < stored / 2 + 8 * CHECK_BLOCK_BYTES,
+                    "rank {rank} of 3 checked {read} of {stored} bytes"
+                );
+            }
+        }
+    }
+
+    let mem = Store::open("memory://").unwrap();
+    save(&mem, 7).await;
+    let (p, dir) = restore_without_copies(&mem, None, None, 0, 1).await;
+    assert_eq!(p.log, ["step 7", "file 7", "ready 7"]);
+    assert!(p.report.written && dir.path().join(RESTORE_FILE).is_file());
+
+    let zroot = tempfile::tempdir().unwrap();
+    let zstd = Store::open(&format!("file://{}", zroot.path().display())).unwrap();
+    let (sharded, replicated) = state();
+    let compressed = SaveOptions {
+        compress: true,
+        ..raw_chunks()
+    };
+    common::save_rows(&zstd, 7, 2, &sharded, &replicated, &compressed).await;
+    let (p, dir) = restore_without_copies(&zstd, Some(zroot.path()), None, 0, 1).await;
+    assert_eq!(p.log, ["step 7", "file 7", "ready 7"]);
+    assert_eq!(
+        std::fs::read(dir.path().join(RESTORE_FILE)).unwrap(),
+        restore(&local, Some(7), 0, 1).await.1
+    );
+}
+
+/// A restore without copies falls back as a restore does: step 2's last chunk has a flipped
+/// bit, so its first chunks are named as sources before it fails, and then step 1 is given
+/// whole, bitwise the file a restore of step 1 writes.
+#[tokio::test]
+async fn a_restore_without_copies_falls_back_past_a_corrupt_chunk() {
+    let root = tempfile::tempdir().unwrap();
+    let store = Store::open(&format!("file://{}", root.path().display())).unwrap();
+    save(&store, 1).await;
+    save(&store, 2).await;
+    let m = store.read_manifest(2, &cancel()).await.unwrap();
+    let last = root.path().join(&m.objects.last().unwrap().key);
+    let mut b = std::fs::read(&last).unwrap();
+    b[100] ^= 0x04;
+    std::fs::write(&last, b).unwrap();
+    let (p, _dir) = restore_without_copies(&store, Some(root.path()), None, 0, 1).await;
+    assert_eq!(
+        p.log,
+        [
+            "step 2", "header 2", "source 2", "failed 2", "step 1", "header 1", "source 1"
+        ]
+    );
+    assert_eq!((p.report.step, p.report.skipped_steps), (1, vec![2]));
+    let (got, count) = &p.files[&1];
+    assert!(count.iter().all(|&c| c == 1));
+    assert_eq!(got, &restore(&store, Some(1), 0, 1).await.1);
+}
