@@ -10,9 +10,10 @@ methods alternating within every repetition:
 - save until durable: `elastic_run.save` of each rank's local shards into staging, then the
   step committed to a `file://` store (`elastic-ckpt push`, the agent's upload and commit path),
   against `dcp.save` of the same DTensor state (its FileSystemWriter fsyncs);
-- restore into the model: `elastic-ckpt restore` of each rank's rows plus `elastic_run.load`,
-  against `dcp.load` plus `set_state_dict`. Every restore is checked against the saved local
-  shards, bitwise.
+- restore into the model: `elastic-ckpt restore` of each rank's rows plus `elastic_run.load`
+  (the agent's path), and `elastic_run.load_from(URL)` (the store's raw chunks checked where
+  they lie and read into the model), against `dcp.load` plus `set_state_dict`. Every restore
+  is checked against the saved local shards, bitwise.
 
 `export`: one model's weights (L x nn.Linear(2048, 2048), --size-gib of parameters), committed
 by `elastic_run.save`; `elastic-ckpt export` to Hugging Face safetensors against what a DCP user
@@ -210,6 +211,14 @@ def fsdp_worker(rank, world, port, a, q):
             er.load(state, resume_dir=dest)
             return {"fetch_process_s": t1 - t0, "load_s": time.perf_counter() - t1}
 
+        def er_load_from():
+            # Each rank's rows, from the store straight into the model (a file:// store of raw
+            # chunks: checked where they lie, nothing staged).
+            wipe()
+            t0 = time.perf_counter()
+            er.load_from(url, state, work_dir=base)
+            return {"load_from_s": time.perf_counter() - t0}
+
         def dcp_restore():
             wipe()
             msd, osd = get_state_dict(model, opt)
@@ -219,6 +228,7 @@ def fsdp_worker(rank, world, port, a, q):
 
         methods = [("elastic_run.save + commit (file)", "save", er_save), ("dcp.save (file)", "save", dcp_save)]
         restores = [("elastic-ckpt restore + elastic_run.load, 2->2 (file)", "restore", er_restore),
+                    ("elastic_run.load_from, 2->2 (file)", "restore", er_load_from),
                     ("dcp.load + set_state_dict, 2->2 (file)", "restore", dcp_restore)]
         for rep in range(-a.warmup, a.reps):
             for name, kind, fn in common.rotate(methods, rep):

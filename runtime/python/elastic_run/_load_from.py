@@ -60,7 +60,10 @@ def load_from(source, state, step=None, *, strict=True, work_dir=None):
     it and checked its chunk. When the newest step turns out corrupt midway, the restore falls
     back to an older one, whose bytes are read over what was read; what a load returns is
     always one step, whole. (An older step that does not fit ``state`` raises
-    :class:`StateError` then, and ``state`` may hold part of the newer step.)
+    :class:`StateError` then, and ``state`` may hold part of the newer step.) From a
+    ``file://`` URL whose chunks are raw, nothing is written under ``work_dir``: the restore
+    checks each chunk where it lies (``--no-copy``), and its bytes are read from there; a chunk
+    replaced since its check raises :class:`FormatError`.
 
     Inside a torchrun or elastic-run job (``RANK``/``WORLD_SIZE`` set) each rank reads what its
     rank of that world holds: its rows of sharded (FSDP2) state. Outside one, rank 0 of 1: every
@@ -92,6 +95,14 @@ def _is_url(s):
     return bool(sep) and scheme.lower() in _URL_SCHEMES
 
 
+def _local_root(url):
+    """The directory of a ``file://`` URL, normalized; None for another store."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() != "file" or parts.netloc not in ("", "localhost"):
+        return None
+    return os.path.normpath(urllib.parse.unquote(parts.path)) or None
+
+
 def _ckpt_exe():
     """``$ELASTIC_CKPT``, else ``elastic-ckpt`` on ``PATH`` (the wheel installs it there)."""
     exe = os.environ.get("ELASTIC_CKPT") or shutil.which("elastic-ckpt")
@@ -107,7 +118,7 @@ def _from_store(url, state, step, strict, work_dir):
     try:
         dest = os.path.join(tmp, "restored")
         cmd = [_ckpt_exe(), "restore", url, dest, "--rank", str(rank()), "--world-size", str(world_size()),
-               "--events", "--no-sync"]
+               "--events", "--no-sync", "--no-copy"]
         if step is not None:
             cmd += ["--step", str(step)]
         load = _Overlapped(url, dest, state, strict)
@@ -172,7 +183,7 @@ class _Overlapped:
         ev = _parse_json(line, f"elastic-ckpt restore {self.url}: an event")
         kind = ev.get("event") if isinstance(ev, dict) else None
         step = ev.get("step") if isinstance(ev, dict) else None
-        if kind not in ("step", "file", "ready", "failed") or not _is_int(step):
+        if kind not in ("step", "file", "header", "ready", "source", "failed") or not _is_int(step):
             raise FormatError(f"elastic-ckpt restore {self.url}: unknown event {_describe(ev)}")
         where = f"{self.url} step {step}"
         if kind == "step":
@@ -189,10 +200,19 @@ class _Overlapped:
             raise FormatError(f"elastic-ckpt restore {self.url}: a {kind} event of step {step} outside it")
         elif kind == "file":
             self._begin(ev, where)
+        elif kind == "header":
+            self._begin_sourced(ev, where)
         elif not self.gone:
             if self.reader is None or ev.get("name") != _RESTORED:
                 raise FormatError(f"{where}: bytes of {_describe(ev.get('name'))} ready, which is not being read")
-            self.reader.ready(ev.get("ranges"))
+            if kind == "ready" and not isinstance(self.file, _read.SourcedFile):
+                self.reader.ready(ev.get("ranges"))
+            elif kind == "source" and isinstance(self.file, _read.SourcedFile):
+                self.reader.ready(self.file.add(self._source_path(ev.get("path"), where), ev.get("dev"),
+                                                ev.get("ino"), ev.get("bytes"), ev.get("ranges")))
+            else:
+                raise FormatError(f"{where}: a {kind} event for a state file that is "
+                                  f"{'not ' if kind == 'source' else ''}read from the store's chunks")
 
     def _begin(self, ev, where):
         path, name, size = ev.get("path"), ev.get("name"), ev.get("bytes")
@@ -202,8 +222,7 @@ class _Overlapped:
         # The restore writes only into the directory given to it.
         if os.path.dirname(path) != self.dest or not os.path.basename(path).startswith("."):
             raise FormatError(f"{where}: the restore names {path!r}, outside {self.dest}")
-        step, r, world, rest = self.meta
-        opened = self._open_written(path, name, step)
+        opened = self._open_written(path, name, self.meta[0])
         if opened is None:
             # The step failed before this event was read: its file is gone, and a "failed"
             # event follows.
@@ -215,9 +234,35 @@ class _Overlapped:
         self.file, self.release_fd = opened
         if self.file.size != size:
             raise FormatError(f"{self.file.path}: {self.file.size} bytes, the restore says {size}")
+        self._plan(where)
+
+    def _begin_sourced(self, ev, where):
+        """A step restored without copies (``--no-copy``: raw chunks of a local directory):
+        its header comes in the event, and its bytes are read from the store's chunks as the
+        restore names each one checked."""
+        name, size, header = ev.get("name"), ev.get("bytes"), ev.get("header")
+        if self.reader is not None or self.gone or name != _RESTORED or not isinstance(header, str) \
+                or not _is_int(size):
+            raise FormatError(f"{where}: unexpected header event {_describe(ev)}")
+        self.file = _read.SourcedFile(os.path.join(self.dest, name), header.encode(), size)
+        self._plan(where)
+
+    def _plan(self, where):
+        """Checks the step's file against its metadata and the state, and starts its reads."""
+        step, r, world, rest = self.meta
         self.shards = _load._check_restored(self.file, self.dest, f"{where}: metadata", step, r, world)
         into = self._destinations(rest, where)
         self.reader = _read.RangedRead(self.file, into, release_fd=self.release_fd)
+
+    def _source_path(self, path, where):
+        """A chunk file a ``source`` event names: an absolute, normal path inside the store's
+        directory."""
+        root = _local_root(self.url)
+        if not isinstance(path, str) or not os.path.isabs(path) or os.path.normpath(path) != path \
+                or root is None or os.path.commonpath([root, path]) != root or path == root:
+            raise FormatError(f"{where}: the restore names the chunk {_describe(path)}, not a file in the store "
+                              f"{self.url}")
+        return path
 
     def _open_written(self, path, name, step):
         """``(TensorFile, descriptor for writing)`` of the file a ``file`` event of ``step``

@@ -124,7 +124,12 @@ class TensorFile:
             raise self._bad(f"a header of {n} bytes, over the limit of {HEADER_BYTES_MAX}")
         if 8 + n > self.size:
             raise self._bad(f"a header of {n} bytes in a file of {self.size}")
-        raw = self._pread_bytes(n, 8)
+        return self._parse_header(self._pread_bytes(n, 8))
+
+    def _parse_header(self, raw):
+        """``(entries, metadata, data_start)`` of the header ``raw`` (its JSON bytes), checked
+        against the file's size."""
+        n = len(raw)
         header = _parse_json(raw, f"{self.path}: header")
         if not isinstance(header, dict):
             raise self._bad(f"the header is {_describe(header)}, not a JSON object")
@@ -278,6 +283,74 @@ class TensorFile:
     def _read_one(self, e, dest):
         mv = memoryview((ctypes.c_char * e.nbytes).from_address(dest.data_ptr())).cast("B")
         self._readinto(mv, self.data_start + e.start)
+
+
+class SourcedFile(TensorFile):
+    """A safetensors file that was never written (``elastic-ckpt restore --no-copy``): its
+    header as given, and its data in other files, the chunks of a local store that the
+    restore checked. :meth:`add` says where a range of it lies; a read opens that file again
+    (never through a symlink) and reads there only while it is still the file that was
+    checked: the same device, inode and length. Reads are as :class:`TensorFile`'s."""
+
+    def __init__(self, path, header, size):
+        self.path, self.size, self._map, self.fd = path, size, None, -1
+        if size < 8 + len(header):
+            raise self._bad(f"a header of {len(header)} bytes in a file of {size}")
+        if len(header) > HEADER_BYTES_MAX:
+            raise self._bad(f"a header of {len(header)} bytes, over the limit of {HEADER_BYTES_MAX}")
+        self.entries, self.metadata, self.data_start = self._parse_header(header)
+        # (start, end, source path, offset there, (dev, ino, length)), sorted by start.
+        self._sources = []
+
+    def add(self, source, dev, ino, length, ranges):
+        """Bytes ``[at, at + n)`` of this file, for each ``[at, n, offset]`` of ``ranges``, are
+        bytes ``[offset, offset + n)`` of the file ``source`` (``length`` bytes on device
+        ``dev``, inode ``ino``). Returns the ``[at, n]`` pairs."""
+        import bisect
+
+        if not all(_is_int(v) and v >= 0 for v in (dev, ino, length)):
+            raise FormatError(f"{self.path}: the source {source!r} is given as {_describe([dev, ino, length])}")
+        out = []
+        for r in ranges if isinstance(ranges, list) else [ranges]:
+            if not (isinstance(r, list) and len(r) == 3 and all(_is_int(v) and v >= 0 for v in r)
+                    and r[2] + r[1] <= length):
+                raise FormatError(f"{self.path}: a source range in {source!r} is {_describe(r)}, not "
+                                  f"[offset, length, offset in a file of {length} bytes]")
+            bisect.insort(self._sources, (r[0], r[0] + r[1], source, r[2], (dev, ino, length)))
+            out.append(r[:2])
+        return out
+
+    def _readinto(self, mv, offset):
+        import bisect
+
+        done, n = 0, len(mv)
+        while done < n:
+            at = offset + done
+            i = bisect.bisect_right(self._sources, (at, float("inf"))) - 1
+            if i < 0 or self._sources[i][1] <= at:
+                raise FormatError(f"{self.path}: byte {at} was read before the restore said where it lies")
+            lo, hi, source, from_, ident = self._sources[i]
+            k = min(hi - at, n - done)
+            self._read_source(source, ident, mv[done:done + k], from_ + at - lo)
+            done += k
+
+    def _read_source(self, source, ident, mv, offset):
+        try:
+            fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            raise FormatError(f"{source}: a chunk the restore checked cannot be opened: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino, st.st_size) != ident:
+                raise FormatError(f"{source}: not the chunk the restore checked (replaced or changed since)")
+            done = 0
+            while done < len(mv):
+                got = os.preadv(fd, [mv[done:done + _READ_BYTES_MAX]], offset + done)
+                if got == 0:
+                    raise FormatError(f"{source}: ended at byte {offset + done}, cut while it was read")
+                done += got
+        finally:
+            os.close(fd)
 
 
 class RangedRead:

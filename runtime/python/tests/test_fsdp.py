@@ -109,7 +109,10 @@ def load_phase(resume_dir):
     before = digests(model, opt)
     ptrs = local_ptrs(model, opt)
     state = {"model": model, "opt": opt, "progress": None}
-    step = er.load(state, resume_dir=resume_dir)
+    if resume_dir.startswith("file://"):
+        step = er.load_from(resume_dir, state)  # each rank reads its rows from the bucket
+    else:
+        step = er.load(state, resume_dir=resume_dir)
     loaded = digests(model, opt)
     kept = sorted(k for k, v in local_ptrs(model, opt).items() if ptrs.get(k) == v)
     train(model, opt, 4)  # the loaded state trains on
@@ -203,6 +206,18 @@ def restore_layout(world):
     return out
 
 
+def bucket(staged, step, world):
+    # The staged step committed to a file:// bucket in raw chunks, as the agent commits it.
+    import subprocess
+
+    url = "file://" + os.path.join(TMP, "bucket")
+    with open(os.path.join(staged, "rank-0", "meta.json")) as f:
+        skeleton = json.load(f)["state"]
+    subprocess.run([os.environ["ELASTIC_CKPT"], "push", staged, url, "--step", str(step), "--world-size", str(world),
+                    "--no-compress", "--metadata", json.dumps({"state": skeleton})], check=True, capture_output=True)
+    return url
+
+
 report = {"save": run(4, save_phase)}
 staged = os.path.join(STAGING, "step-3")
 report["staged_headers"] = {}
@@ -213,6 +228,7 @@ for r in range(4):
 report["load3"] = run(3, load_phase, staged)
 report["load3_restored"] = run(3, load_phase, restore_layout(3))
 report["load2"] = run(2, load_phase, staged)
+report["load3_from_bucket"] = run(3, load_phase, bucket(staged, 3, 4))
 report["placements"] = run(2, placements)
 print(json.dumps(report))
 """
@@ -224,7 +240,9 @@ class FsdpState(tc.Env):
     @classmethod
     def setUpClass(cls):
         cls.dir = tempfile.TemporaryDirectory()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+        from tests.test_load_from import ckpt_exe
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "ELASTIC_CKPT": ckpt_exe()}
         for k in ("ELASTIC_AGENT_SOCKET", "ELASTIC_RESUME_DIR", "ELASTIC_RESUME_STEP", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
         p = subprocess.run([sys.executable, "-c", DRIVER, tc.CLIENT_DIR, cls.dir.name], capture_output=True,
@@ -261,7 +279,7 @@ class FsdpState(tc.Env):
         # Every parameter and both AdamW moments and the step of each: 6 parameters.
         self.assertEqual(len(saved), 6 * 4, sorted(saved))
         self.assertNotEqual(self.report["save"]["after"], saved, "the step after the save changed the state")
-        for phase in ("load3", "load3_restored", "load2"):
+        for phase in ("load3", "load3_restored", "load2", "load3_from_bucket"):
             got = self.report[phase]
             self.assertEqual(got["step"], 3, phase)
             self.assertEqual(got["progress"], {"step": 3}, phase)
@@ -273,6 +291,8 @@ class FsdpState(tc.Env):
         # its memory, the bytes read straight into it.
         saved = sorted(self.report["save"]["saved"])
         self.assertEqual(self.report["load3_restored"]["kept"], saved)
+        # From a bucket too: each rank's rows are read from its chunks into them.
+        self.assertEqual(self.report["load3_from_bucket"]["kept"], saved)
         # A staged snapshot is put together first: only the parameters are copied into.
         self.assertEqual(self.report["load3"]["kept"], [k for k in saved if k.startswith("model/")])
 

@@ -6,6 +6,7 @@ as `rank-<R>/tensors.safetensors`, with the state's JSON skeleton in the manifes
 `elastic-ckpt` is `$ELASTIC_CKPT`, else the workspace's `target/debug/elastic-ckpt` (the test
 command builds it before these tests run)."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -48,12 +49,15 @@ class LoadFrom(tc.TorchEnv):
         return {"model": model, "ema": ema, "opt": opt, "sched": sched,
                 "progress": {"seen": seed, "rng": torch.get_rng_state()}}
 
-    def commit(self, step=5, world=2, seed=0, big=0):
+    def commit(self, step=5, world=2, seed=0, big=0, compress=False, bucket="bucket"):
         """Saves the state (of `seed`; with a tensor of `big` floats more) as `world` ranks and
-        commits it to a file:// bucket as the agent does."""
+        commits it to a file:// bucket as the agent does: in raw chunks, which a restore reads
+        without copies, or with `compress` in chunks that compress (the big tensor then
+        repeats), which it writes out."""
         st = self.state(seed)
         if big:
-            st["progress"]["big"] = self.torch.randn(big)
+            torch = self.torch
+            st["progress"]["big"] = (torch.arange(big) % (seed + 3)).float() if compress else torch.randn(big)
         staging = os.path.join(self.tmp.name, "staging")
         for r in range(world):
             self.env(ELASTIC_STAGING_DIR=staging, RANK=r, WORLD_SIZE=world)
@@ -62,8 +66,9 @@ class LoadFrom(tc.TorchEnv):
         os.environ.pop("WORLD_SIZE")
         staged = os.path.join(staging, f"step-{step}")
         skeleton = tc.read_json(os.path.join(staged, "rank-0", "meta.json"))["state"]
-        url = "file://" + os.path.join(self.tmp.name, "bucket")
+        url = "file://" + os.path.join(self.tmp.name, bucket)
         self.ckpt("push", staged, url, "--step", str(step), "--world-size", str(world), "--chunk-mib", "1",
+                  "--compress", "always" if compress else "never",
                   "--metadata", json.dumps({"elastic": {"generation": 1}, "state": skeleton}))
         return st, staged, url
 
@@ -139,12 +144,14 @@ class LoadFrom(tc.TorchEnv):
     def test_the_restored_files_pages_are_given_back_as_they_are_read(self):
         from elastic_run import _read
 
-        saved, _, url = self.commit(big=600_000)
+        # Compressed chunks: the restore writes the state file.
+        saved, _, url = self.commit(big=600_000, compress=True)
         held = []
         finish = _read.RangedRead.finish
 
         def spy(self_):
             out = finish(self_)
+            self.assertNotIsInstance(self_.f, _read.SourcedFile)
             st = os.fstat(self_.f.fd)
             held.append((st.st_blocks * 512, st.st_size))
             return out
@@ -160,26 +167,81 @@ class LoadFrom(tc.TorchEnv):
         self.assertLess(allocated, size // 8, f"{allocated} of {size} bytes still held once everything was read")
         self.assertEqual([n for n in os.listdir(self.tmp.name) if n.startswith("elastic_run-load_from-")], [])
 
-    def test_a_newest_step_that_breaks_midway_is_dropped_for_the_older_one_whole(self):
+    def test_raw_chunks_of_a_local_bucket_are_read_where_they_lie(self):
         from elastic_run import _read
 
-        older, _, url = self.commit(step=4, seed=1, big=4_000_000)
-        newer, _, _ = self.commit(step=5, seed=2, big=4_000_000)
+        saved, _, url = self.commit(big=600_000)
+        seen = []
+        finish = _read.RangedRead.finish
+
+        def spy(self_):
+            d = os.path.dirname(self_.f.path)
+            seen.append((type(self_.f), sorted(os.listdir(d)), sum(self_.f.entries[k].nbytes for k in self_.f.entries)))
+            return finish(self_)
+
+        with mock.patch.object(_read.RangedRead, "finish", spy):
+            fresh = self.state(7)
+            self.assertEqual(er.load_from(url, fresh, work_dir=self.tmp.name), 5)
+        self.assert_same(saved, fresh)
+        self.assertTrue(self.torch.equal(fresh["progress"]["big"], saved["progress"]["big"]))
+        # Nothing but the metadata was written: every byte came from the bucket's chunks.
+        [(kind, written, size)] = seen
+        self.assertEqual((kind, written), (_read.SourcedFile, ["metadata.json"]))
+        self.assertGreater(size, 2_400_000)
+
+        # A chunk replaced after the restore checked it (here: as its first source is given) is
+        # not read: the load fails, naming it.
+        bucket = url[len("file://"):]
+        add = _read.SourcedFile.add
+        replaced = []
+
+        def swap(self_, path, *a):
+            if not replaced:
+                with open(path, "rb") as f:
+                    data = f.read()
+                os.rename(path, path + ".old")
+                with open(path, "wb") as f:
+                    f.write(data)
+                replaced.append(path)
+            return add(self_, path, *a)
+
+        with mock.patch.object(_read.SourcedFile, "add", swap):
+            with self.assertRaisesRegex(er.FormatError, "not the chunk the restore checked"):
+                er.load_from(url, self.state(8))
+        self.assertTrue(replaced[0].startswith(bucket + "/"), replaced)
+
+    def test_a_newest_step_that_breaks_midway_is_dropped_for_the_older_one_whole(self):
+        # Raw chunks, read where they lie, and compressed ones, written out.
+        for compress in (False, True):
+            with self.subTest(compress=compress):
+                self.newest_breaks_midway(compress)
+
+    def newest_breaks_midway(self, compress):
+        from elastic_run import _read
+
+        bucket = f"bucket-{compress}"
+        older, _, url = self.commit(step=4, seed=1, big=4_000_000, compress=compress, bucket=bucket)
+        newer, _, _ = self.commit(step=5, seed=2, big=4_000_000, compress=compress, bucket=bucket)
         shown = json.loads(self.ckpt("--json", "show", url, "--step", "5").stdout)
         keys = [o["key"] for o in shown["objects"]]
         self.assertGreaterEqual(len(keys), 3, "the step needs several chunks")
+        codecs = [o["codec"] if isinstance(o["codec"], str) else o["codec"]["name"] for o in shown["objects"]]
+        self.assertEqual(any(c != "raw" for c in codecs), compress, codecs)
         bucket = url[len("file://"):]
         # One chunk at a time, in order: the first chunk of step 5 is read into the state
         # before a later one fails.
         self.env(ELASTIC_CKPT_CONCURRENCY=1)
         calls = []
+        spies = contextlib.ExitStack()
+        self.addCleanup(spies.close)
         for name in ("ready", "abandon"):
             def spy(self_, *a, _f=getattr(_read.RangedRead, name), _n=name):
-                calls.append((_n, self_.f.path))
+                self.assertEqual(isinstance(self_.f, _read.SourcedFile), not compress)
+                calls.append((_n, self_.f.metadata["elastic.step"]))
                 return _f(self_, *a)
             p = mock.patch.object(_read.RangedRead, name, spy)
             p.start()
-            self.addCleanup(p.stop)
+            spies.callback(p.stop)
         for how in ("flipped", "cut"):
             with self.subTest(how):
                 path = os.path.join(bucket, keys[-1])
@@ -209,6 +271,7 @@ class LoadFrom(tc.TorchEnv):
         fresh = self.state(7)
         self.assertEqual(er.load_from(url, fresh), 5)
         self.assert_same(newer, fresh)
+        spies.close()
 
     def test_a_staged_snapshot_and_a_restored_directory_load_whole(self):
         saved, staged, url = self.commit()
@@ -326,6 +389,62 @@ class RestoreEvents(tc.TorchEnv):
         load = _load_from._Overlapped("file:///b", self.dest, {}, True)
         with self.assertRaisesRegex(er.FormatError, "outside"):
             self.feed(load, self.step(5), self.file(5, "/etc/.passwd"))
+
+    def test_sources_are_files_of_the_store_and_only_of_a_step_restored_without_copies(self):
+        import struct
+
+        from safetensors.torch import save_file
+
+        from elastic_run import _load_from
+
+        t = self.torch.arange(10, dtype=self.torch.float32)
+        written = os.path.join(self.tmp.name, "w.safetensors")
+        save_file({"model/w": t}, written, metadata={"elastic.step": "5"})
+        with open(written, "rb") as f:
+            raw = f.read()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = {"event": "header", "step": 5, "name": "state.safetensors", "bytes": len(raw),
+                  "header": raw[8:8 + n].decode()}
+        bucket = os.path.join(self.tmp.name, "b")
+        os.makedirs(os.path.join(bucket, "steps"))
+        chunk = os.path.join(bucket, "steps", "c.bin")
+        with open(chunk, "wb") as f:
+            f.write(b"\0" * 3 + raw[8 + n:])
+        st = os.stat(chunk)
+
+        def source(path, ranges=None, **kw):
+            return {"event": "source", "step": 5, "name": "state.safetensors", "path": path, "bytes": st.st_size,
+                    "dev": st.st_dev, "ino": st.st_ino, "ranges": ranges or [[8 + n, 40, 3]], **kw}
+
+        # Read from the chunk, at the offsets given.
+        load = _load_from._Overlapped("file://" + bucket, self.dest, {}, True)
+        self.feed(load, self.step(5), header, source(chunk))
+        step, tensors, _, _ = load.finish()
+        self.assertEqual(step, 5)
+        self.assertTrue(self.torch.equal(tensors["model/w"], t))
+        self.assertEqual(os.listdir(self.dest), [])
+        for bad, want in [(source("/etc/passwd"), "not a file in the store"),
+                          (source(bucket + "/steps/../../x"), "not a file in the store"),
+                          (source("steps/c.bin"), "not a file in the store"),
+                          (source(chunk, [[8 + n, 40, st.st_size - 39]]), "not \\[offset, length"),
+                          (source(chunk, bytes=-1), "is given as"),
+                          ({"event": "ready", "step": 5, "name": "state.safetensors", "ranges": [[8 + n, 40]]},
+                           "a ready event for a state file that is read from the store's chunks")]:
+            with self.subTest(want):
+                load = _load_from._Overlapped("file://" + bucket, self.dest, {}, True)
+                with self.assertRaisesRegex(er.FormatError, want):
+                    self.feed(load, self.step(5), header, bad)
+                load.abandon()
+        # A source for a step whose file was written, or from a store that is not a directory.
+        load = _load_from._Overlapped("file://" + bucket, self.dest, {}, True)
+        save_file({"model/w": t}, os.path.join(self.dest, ".x"), metadata={"elastic.step": "5"})
+        with self.assertRaisesRegex(er.FormatError, "a source event for a state file that is not read"):
+            self.feed(load, self.step(5), self.file(5, os.path.join(self.dest, ".x"), len(raw)), source(chunk))
+        load.abandon()
+        load = _load_from._Overlapped("s3://b/j", self.dest, {}, True)
+        with self.assertRaisesRegex(er.FormatError, "not a file in the store"):
+            self.feed(load, self.step(5), header, source(chunk))
+        load.abandon()
 
 
 if __name__ == "__main__":
