@@ -554,7 +554,8 @@ fn export_of_a_2gib_model_holds_a_few_chunks_in_memory() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn restore_command_writes_what_store_restore_writes_and_refuses_a_non_empty_dir() {
+async fn restore_command_writes_what_store_restore_writes_points_at_chunks_without_copies_and_refuses_a_non_empty_dir()
+ {
     let (_bucket, url) = new_bucket();
     let store = Store::open(&url).unwrap();
     common::save_sharded(&store, 4, 2).await;
@@ -599,6 +600,117 @@ async fn restore_command_writes_what_store_restore_writes_and_refuses_a_non_empt
             );
         }
     }
+    // Without copies, from raw chunks: the events say where each checked byte lies, and no
+    // state file is written; put together, that is the file the library wrote. (The chunks
+    // above are compressed: from those, the file is written as without it.)
+    let (_raw_bucket, raw_url) = new_bucket();
+    let (sharded, replicated) = common::global_state();
+    let raw = checkpoint::SaveOptions {
+        compress: false,
+        ..common::small_chunks()
+    };
+    common::save_rows(
+        &Store::open(&raw_url).unwrap(),
+        4,
+        2,
+        &sharded,
+        &replicated,
+        &raw,
+    )
+    .await;
+    let compressed = out.path().join("no-copy-compressed");
+    let report = ok(
+        &[
+            "--json",
+            "restore",
+            &url,
+            compressed.to_str().unwrap(),
+            "--rank",
+            "1",
+            "--world-size",
+            "3",
+            "--events",
+            "--no-copy",
+        ],
+        &[],
+    );
+    assert!(report.contains(r#"{"event":"file","#), "{report}");
+    assert!(
+        std::fs::read(compressed.join(RESTORE_FILE)).unwrap()
+            == std::fs::read(out.path().join("lib-1").join(RESTORE_FILE)).unwrap()
+    );
+    let pointed = out.path().join("no-copy");
+    let stdout = ok(
+        &[
+            "--json",
+            "restore",
+            &raw_url,
+            pointed.to_str().unwrap(),
+            "--rank",
+            "1",
+            "--world-size",
+            "3",
+            "--events",
+            "--no-copy",
+        ],
+        &[],
+    );
+    let (events, report): (Vec<&str>, Vec<&str>) =
+        stdout.lines().partition(|l| l.starts_with(r#"{"event":"#));
+    let report: serde_json::Value = serde_json::from_str(&report.join("\n")).unwrap();
+    assert_eq!(
+        (report["step"].clone(), report["files"]["state"].clone()),
+        (4.into(), serde_json::Value::Null),
+        "{report}"
+    );
+    assert!(!pointed.join(RESTORE_FILE).exists());
+    let want = std::fs::read(out.path().join("lib-1").join(RESTORE_FILE)).unwrap();
+    let mut got = Vec::new();
+    let mut sources = 0;
+    for line in events {
+        let ev: serde_json::Value = serde_json::from_str(line).unwrap();
+        match ev["event"].as_str().unwrap() {
+            "header" => {
+                let h = ev["header"].as_str().unwrap();
+                got = (h.len() as u64).to_le_bytes().to_vec();
+                got.extend_from_slice(h.as_bytes());
+                got.resize(ev["bytes"].as_u64().unwrap() as usize, 0);
+            }
+            "source" => {
+                use std::os::unix::fs::FileExt;
+                sources += 1;
+                let f = std::fs::File::open(ev["path"].as_str().unwrap()).unwrap();
+                for r in ev["ranges"].as_array().unwrap() {
+                    let [at, len, from] = [0, 1, 2].map(|i| r[i].as_u64().unwrap());
+                    f.read_exact_at(&mut got[at as usize..(at + len) as usize], from)
+                        .unwrap();
+                }
+            }
+            "step" => {}
+            other => panic!("unexpected event {other}: {line}"),
+        }
+    }
+    assert!(sources > 0);
+    assert!(
+        got == want,
+        "the sources put together differ from the restored file"
+    );
+    let r = run(
+        &[
+            "restore",
+            &url,
+            out.path().join("no-events").to_str().unwrap(),
+            "--rank",
+            "0",
+            "--world-size",
+            "3",
+            "--no-copy",
+        ],
+        &[],
+    );
+    assert!(!r.status.success());
+    assert!(String::from_utf8_lossy(&r.stderr).contains("--events"));
+
     let again = out.path().join("cli-0");
     let r = run(
         &[
