@@ -316,25 +316,19 @@ impl Store {
 /// The output ranges `[offset, length]` that `ops` fill, by output file, in order, with
 /// ranges that meet joined.
 fn ready_ranges(ops: &[CopyOp]) -> BTreeMap<usize, Vec<[u64; 2]>> {
-    let mut by_out: BTreeMap<usize, Vec<[u64; 2]>> = BTreeMap::new();
-    for op in ops.iter().filter(|op| op.len > 0) {
-        by_out
-            .entry(op.out)
-            .or_default()
-            .push([op.out_offset, op.len]);
-    }
-    for ranges in by_out.values_mut() {
-        ranges.sort_unstable();
-        let mut joined: Vec<[u64; 2]> = Vec::with_capacity(ranges.len());
-        for &[at, len] in ranges.iter() {
-            match joined.last_mut() {
-                Some(last) if last[0] + last[1] == at => last[1] += len,
-                _ => joined.push([at, len]),
+    source_ranges(ops)
+        .into_iter()
+        .map(|(out, ranges)| {
+            let mut joined: Vec<[u64; 2]> = Vec::with_capacity(ranges.len());
+            for [at, len, _] in ranges {
+                match joined.last_mut() {
+                    Some(last) if last[0] + last[1] == at => last[1] += len,
+                    _ => joined.push([at, len]),
+                }
             }
-        }
-        *ranges = joined;
-    }
-    by_out
+            (out, joined)
+        })
+        .collect()
 }
 
 /// What `ops` take of one object, by output file: `[offset in the output, length, offset in

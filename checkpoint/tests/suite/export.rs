@@ -618,43 +618,20 @@ async fn restore_command_writes_what_store_restore_writes_points_at_chunks_witho
         &raw,
     )
     .await;
+    let no_copy = |url: &str, dir: &Path| {
+        let args = ["--rank", "1", "--world-size", "3", "--events", "--no-copy"];
+        let dir = dir.to_str().unwrap();
+        ok(&[&["--json", "restore", url, dir][..], &args].concat(), &[])
+    };
     let compressed = out.path().join("no-copy-compressed");
-    let report = ok(
-        &[
-            "--json",
-            "restore",
-            &url,
-            compressed.to_str().unwrap(),
-            "--rank",
-            "1",
-            "--world-size",
-            "3",
-            "--events",
-            "--no-copy",
-        ],
-        &[],
-    );
+    let report = no_copy(&url, &compressed);
     assert!(report.contains(r#"{"event":"file","#), "{report}");
     assert!(
         std::fs::read(compressed.join(RESTORE_FILE)).unwrap()
             == std::fs::read(out.path().join("lib-1").join(RESTORE_FILE)).unwrap()
     );
     let pointed = out.path().join("no-copy");
-    let stdout = ok(
-        &[
-            "--json",
-            "restore",
-            &raw_url,
-            pointed.to_str().unwrap(),
-            "--rank",
-            "1",
-            "--world-size",
-            "3",
-            "--events",
-            "--no-copy",
-        ],
-        &[],
-    );
+    let stdout = no_copy(&raw_url, &pointed);
     let (events, report): (Vec<&str>, Vec<&str>) =
         stdout.lines().partition(|l| l.starts_with(r#"{"event":"#));
     let report: serde_json::Value = serde_json::from_str(&report.join("\n")).unwrap();
