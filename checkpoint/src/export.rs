@@ -575,6 +575,11 @@ impl Store {
         };
         let plan = plan(&m, key, shard_bytes_max).map_err(refused)?;
         let layout = layout(&m, &plan, key).map_err(refused)?;
+        // An export writes its files, always.
+        let opts = &ReadOptions {
+            no_copy: false,
+            ..opts.clone()
+        };
         self.materialize(&m, layout, None, dest, RootLink::Refuse, opts, cancel)
             .await?;
         let tensors = plan.files.iter().map(|f| f.tensors.len()).sum();

@@ -130,10 +130,11 @@ pub enum ReadEvent {
         header: String,
     },
     /// Byte ranges of output `name` are the bytes of the file `path` (a chunk of a local
-    /// directory, `bytes` long, device `dev` and inode `ino` when it was checked) at
+    /// directory: `bytes` long, device `dev`, inode `ino` and inode change time `ctime_ns`,
+    /// in nanoseconds since the epoch, before and after it was checked) at
     /// `[offset in the output, length, offset in path]`: every checksum over them was checked
     /// there. A reader opens `path` without following a symlink and reads there only while
-    /// it is still that file.
+    /// it is still that file, unchanged.
     Source {
         step: u64,
         name: String,
@@ -141,6 +142,7 @@ pub enum ReadEvent {
         bytes: u64,
         dev: u64,
         ino: u64,
+        ctime_ns: i64,
         ranges: Vec<[u64; 3]>,
     },
     /// The step's read failed: its temporary outputs are gone.
@@ -217,6 +219,11 @@ impl Store {
                 prefix,
             });
         }
+        // A pull writes its files, always.
+        let opts = &ReadOptions {
+            no_copy: false,
+            ..opts.clone()
+        };
         self.materialize(&m, layout, None, dest, RootLink::Follow, opts, cancel)
             .await?;
         Ok(m)

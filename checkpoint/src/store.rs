@@ -128,7 +128,13 @@ impl Store {
                     std::fs::create_dir_all(&dir).map_err(|e| bad(format!("creating it: {e}")))?;
                     let fs = object_store::local::LocalFileSystem::new_with_prefix(&dir)
                         .map_err(|e| bad(e.to_string()))?;
-                    (Arc::new(fs), String::new(), Some(dir))
+                    // Normal form (no `//`, no `.`), as readers of the paths it names
+                    // compare them.
+                    (
+                        Arc::new(fs),
+                        String::new(),
+                        Some(dir.components().collect()),
+                    )
                 }
                 "memory" => (
                     Arc::new(object_store::memory::InMemory::new()),

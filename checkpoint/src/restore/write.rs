@@ -203,10 +203,11 @@ impl Store {
                                 ev(&ReadEvent::Source {
                                     step: m.step,
                                     name: outs[out].rel.clone(),
-                                    path: source.0.clone(),
+                                    path: source.path.clone(),
                                     bytes: o.stored_bytes,
-                                    dev: source.1,
-                                    ino: source.2,
+                                    dev: source.dev,
+                                    ino: source.ino,
+                                    ctime_ns: source.ctime_ns,
                                     ranges,
                                 });
                             }
@@ -315,6 +316,35 @@ impl Store {
 
 /// The output ranges `[offset, length]` that `ops` fill, by output file, in order, with
 /// ranges that meet joined.
+/// A chunk file checked where it lies, as it was when checked: a reader that finds the same
+/// device, inode, length and change time reads the bytes that were checked (a rename puts
+/// another inode there, and a rewrite in place moves the change time, which no caller can
+/// set back).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CheckedFile {
+    pub path: PathBuf,
+    pub dev: u64,
+    pub ino: u64,
+    pub bytes: u64,
+    pub mtime_ns: i64,
+    pub ctime_ns: i64,
+}
+
+impl CheckedFile {
+    fn of(path: PathBuf, st: &std::fs::Metadata) -> CheckedFile {
+        use std::os::unix::fs::MetadataExt;
+        let ns = |s: i64, n: i64| s.saturating_mul(1_000_000_000).saturating_add(n);
+        CheckedFile {
+            path,
+            dev: st.dev(),
+            ino: st.ino(),
+            bytes: st.len(),
+            mtime_ns: ns(st.mtime(), st.mtime_nsec()),
+            ctime_ns: ns(st.ctime(), st.ctime_nsec()),
+        }
+    }
+}
+
 fn ready_ranges(ops: &[CopyOp]) -> BTreeMap<usize, Vec<[u64; 2]>> {
     source_ranges(ops)
         .into_iter()
@@ -391,23 +421,26 @@ impl Store {
 
     /// Checks what `ops` take of raw object `o` of a `file://` store where it lies, without
     /// copying it: the blocks that hold it ([`super::ranged::needed_blocks`]), or the whole
-    /// object. Returns the file's path, device and inode as checked.
+    /// object. Returns the file as checked: its identity is taken before and after the
+    /// check and must not change between, so a file rewritten while it was checked is an
+    /// error, and a reader that finds the same identity later reads what was checked.
     fn check_local_raw(
         &self,
         step: u64,
         o: &ObjectEntry,
         ops: &[CopyOp],
         cancel: &CancellationToken,
-    ) -> Result<(PathBuf, u64, u64)> {
-        use std::os::unix::fs::MetadataExt;
-
+    ) -> Result<CheckedFile> {
         let path = self.local_file(&o.key).ok_or_else(|| {
             Error::InvalidInput(format!("{} is not a local directory", self.url()))
         })?;
         let f = self.open_local_raw(step, o)?;
-        let st = f
-            .metadata()
-            .map_err(|e| self.local_error("get", &o.key, e))?;
+        let identity = |f: &std::fs::File| {
+            f.metadata()
+                .map(|st| CheckedFile::of(path.clone(), &st))
+                .map_err(|e| self.local_error("get", &o.key, e))
+        };
+        let before = identity(&f)?;
         match super::ranged::needed_blocks(o, ops) {
             Some(runs) => self.check_local_blocks(step, o, &f, &runs, cancel)?,
             None => {
@@ -415,7 +448,10 @@ impl Store {
                 self.count_read(o.stored_bytes);
             }
         }
-        Ok((path, st.dev(), st.ino()))
+        if identity(&f)? != before {
+            return Err(self.corrupt(step, &o.key, "the file changed while it was checked".into()));
+        }
+        Ok(before)
     }
 
     /// Opens the file of raw object `o` of a `file://` store (a regular file only: never

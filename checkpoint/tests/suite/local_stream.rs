@@ -399,6 +399,7 @@ async fn restore_without_copies(
                     bytes,
                     dev,
                     ino,
+                    ctime_ns,
                     ranges,
                 } => {
                     assert_eq!(name, RESTORE_FILE);
@@ -409,7 +410,11 @@ async fn restore_without_copies(
                     );
                     let src = std::fs::File::open(path).unwrap();
                     let st = src.metadata().unwrap();
-                    assert_eq!((st.dev(), st.ino(), st.len()), (*dev, *ino, *bytes));
+                    let ctime = st.ctime() * 1_000_000_000 + st.ctime_nsec();
+                    assert_eq!(
+                        (st.dev(), st.ino(), st.len(), ctime),
+                        (*dev, *ino, *bytes, *ctime_ns)
+                    );
                     let (f, count) = files.get_mut(step).unwrap();
                     for &[at, len, from] in ranges {
                         let (a, b) = (at as usize, (at + len) as usize);
@@ -478,6 +483,11 @@ async fn a_restore_without_copies_names_the_checked_chunks_that_hold_the_state()
             let (got, count) = &p.files[&7];
             assert!(count.iter().all(|&c| c == 1), "every byte given once");
             assert_eq!(got, &restore(&local, Some(7), rank, world).await.1);
+            assert!(
+                read >= p.report.bytes,
+                "rank {rank} of {world}: {read} bytes checked for {}",
+                p.report.bytes
+            );
             if world == 3 {
                 assert!(
                     read < stored / 2 + 8 * CHECK_BLOCK_BYTES,
@@ -485,6 +495,24 @@ async fn a_restore_without_copies_names_the_checked_chunks_that_hold_the_state()
                 );
             }
         }
+    }
+
+    // A pull writes its files even when asked for no copies.
+    let pointing = ReadOptions {
+        events: Some(std::sync::Arc::new(|_: &checkpoint::ReadEvent| {})),
+        no_copy: true,
+        ..Default::default()
+    };
+    let pulled = tempfile::tempdir().unwrap();
+    local
+        .pull(7, pulled.path(), &pointing, &cancel())
+        .await
+        .unwrap();
+    for f in &m.files {
+        let len = std::fs::metadata(pulled.path().join(&f.name))
+            .unwrap()
+            .len();
+        assert_eq!(len, 8 + f.header.len() as u64 + f.data_bytes, "{}", f.name);
     }
 
     let mem = Store::open("memory://").unwrap();
@@ -534,4 +562,34 @@ async fn a_restore_without_copies_falls_back_past_a_corrupt_chunk() {
     let (got, count) = &p.files[&1];
     assert!(count.iter().all(|&c| c == 1));
     assert_eq!(got, &restore(&store, Some(1), 0, 1).await.1);
+}
+
+/// The blocks a resharding restore without copies checks are checked: with a flipped byte
+/// in every block of every chunk of step 2, rank 1 of 3 (which needs only some blocks of
+/// each chunk) finds step 2 corrupt and is given step 1, bitwise.
+#[tokio::test]
+async fn a_restore_without_copies_checks_each_block_it_names() {
+    use checkpoint::format::CHECK_BLOCK_BYTES;
+
+    let root = tempfile::tempdir().unwrap();
+    let store = Store::open(&format!("file://{}", root.path().display())).unwrap();
+    save(&store, 1).await;
+    save(&store, 2).await;
+    let m = store.read_manifest(2, &cancel()).await.unwrap();
+    for o in &m.objects {
+        let path = root.path().join(&o.key);
+        let mut b = std::fs::read(&path).unwrap();
+        let n = b.len();
+        for at in (0..n).step_by(CHECK_BLOCK_BYTES as usize) {
+            b[at + (CHECK_BLOCK_BYTES as usize / 2).min(n - at - 1)] ^= 0x10;
+        }
+        std::fs::write(&path, b).unwrap();
+    }
+    let (p, _dir) = restore_without_copies(&store, Some(root.path()), None, 1, 3).await;
+    assert_eq!((p.report.step, p.report.skipped_steps), (1, vec![2]));
+    assert_eq!(p.log.last().map(String::as_str), Some("source 1"));
+    assert!(p.log.contains(&"failed 2".to_string()), "{:?}", p.log);
+    let (got, count) = &p.files[&1];
+    assert!(count.iter().all(|&c| c == 1));
+    assert_eq!(got, &restore(&store, Some(1), 1, 3).await.1);
 }

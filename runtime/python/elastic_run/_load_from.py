@@ -100,7 +100,9 @@ def _local_root(url):
     parts = urllib.parse.urlsplit(url)
     if parts.scheme.lower() != "file" or parts.netloc not in ("", "localhost"):
         return None
-    return os.path.normpath(urllib.parse.unquote(parts.path)) or None
+    # As the store reads the URL: a backslash is a slash in a file URL (an escaped one, %5C,
+    # is a backslash in a name).
+    return os.path.normpath(urllib.parse.unquote(parts.path.replace("\\", "/"))) or None
 
 
 def _ckpt_exe():
@@ -209,7 +211,8 @@ class _Overlapped:
                 self.reader.ready(ev.get("ranges"))
             elif kind == "source" and isinstance(self.file, _read.SourcedFile):
                 self.reader.ready(self.file.add(self._source_path(ev.get("path"), where), ev.get("dev"),
-                                                ev.get("ino"), ev.get("bytes"), ev.get("ranges")))
+                                                ev.get("ino"), ev.get("bytes"), ev.get("ctime_ns"),
+                                                ev.get("ranges")))
             else:
                 raise FormatError(f"{where}: a {kind} event for a state file that is "
                                   f"{'not ' if kind == 'source' else ''}read from the store's chunks")
@@ -244,7 +247,11 @@ class _Overlapped:
         if self.reader is not None or self.gone or name != _RESTORED or not isinstance(header, str) \
                 or not _is_int(size):
             raise FormatError(f"{where}: unexpected header event {_describe(ev)}")
-        self.file = _read.SourcedFile(os.path.join(self.dest, name), header.encode(), size)
+        try:
+            header = header.encode()
+        except UnicodeEncodeError as e:
+            raise FormatError(f"{where}: the restore's header is not UTF-8 ({e.reason} at {e.start})") from None
+        self.file = _read.SourcedFile(os.path.join(self.dest, name), header, size)
         self._plan(where)
 
     def _plan(self, where):
@@ -255,14 +262,15 @@ class _Overlapped:
         self.reader = _read.RangedRead(self.file, into, release_fd=self.release_fd)
 
     def _source_path(self, path, where):
-        """A chunk file a ``source`` event names: an absolute, normal path inside the store's
-        directory."""
+        """A chunk file a ``source`` event names, in normal form: an absolute path inside the
+        store's directory (no ``..`` out of it)."""
         root = _local_root(self.url)
-        if not isinstance(path, str) or not os.path.isabs(path) or os.path.normpath(path) != path \
-                or root is None or os.path.commonpath([root, path]) != root or path == root:
+        normal = os.path.normpath(path) if isinstance(path, str) and os.path.isabs(path) else None
+        if normal is None or root is None or ".." in path.split("/") \
+                or os.path.commonpath([root, normal]) != root or normal == root:
             raise FormatError(f"{where}: the restore names the chunk {_describe(path)}, not a file in the store "
                               f"{self.url}")
-        return path
+        return normal
 
     def _open_written(self, path, name, step):
         """``(TensorFile, descriptor for writing)`` of the file a ``file`` event of ``step``

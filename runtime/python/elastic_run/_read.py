@@ -290,7 +290,9 @@ class SourcedFile(TensorFile):
     header as given, and its data in other files, the chunks of a local store that the
     restore checked. :meth:`add` says where a range of it lies; a read opens that file again
     (never through a symlink) and reads there only while it is still the file that was
-    checked: the same device, inode and length. Reads are as :class:`TensorFile`'s."""
+    checked, unchanged: the same device, inode, length and inode change time, before and
+    after the read (a rename puts another inode there; a write in place moves the change
+    time, which no one can set back). Reads are as :class:`TensorFile`'s, from any thread."""
 
     def __init__(self, path, header, size):
         self.path, self.size, self._map, self.fd = path, size, None, -1
@@ -299,56 +301,75 @@ class SourcedFile(TensorFile):
         if len(header) > HEADER_BYTES_MAX:
             raise self._bad(f"a header of {len(header)} bytes, over the limit of {HEADER_BYTES_MAX}")
         self.entries, self.metadata, self.data_start = self._parse_header(header)
-        # (start, end, source path, offset there, (dev, ino, length)), sorted by start.
-        self._sources = []
+        # (start, end, source path, offset there, (dev, ino, length, ctime_ns)), sorted by
+        # start, never overlapping. Replaced whole by add(), never changed in place: a read
+        # on another thread works on the list it took.
+        self._sources = ()
 
-    def add(self, source, dev, ino, length, ranges):
+    def add(self, source, dev, ino, length, ctime_ns, ranges):
         """Bytes ``[at, at + n)`` of this file, for each ``[at, n, offset]`` of ``ranges``, are
         bytes ``[offset, offset + n)`` of the file ``source`` (``length`` bytes on device
-        ``dev``, inode ``ino``). Returns the ``[at, n]`` pairs."""
+        ``dev``, inode ``ino``, inode change time ``ctime_ns`` when it was checked). Returns
+        the ``[at, n]`` pairs. A range outside the file, or over one already given, is a
+        :class:`FormatError`."""
         import bisect
 
-        if not all(_is_int(v) and v >= 0 for v in (dev, ino, length)):
-            raise FormatError(f"{self.path}: the source {source!r} is given as {_describe([dev, ino, length])}")
-        out = []
+        if not (all(_is_int(v) and v >= 0 for v in (dev, ino, length)) and _is_int(ctime_ns)):
+            raise FormatError(f"{self.path}: the source {source!r} is given as "
+                              f"{_describe([dev, ino, length, ctime_ns])}")
+        sources, out = list(self._sources), []
         for r in ranges if isinstance(ranges, list) else [ranges]:
             if not (isinstance(r, list) and len(r) == 3 and all(_is_int(v) and v >= 0 for v in r)
-                    and r[2] + r[1] <= length):
+                    and r[2] + r[1] <= length and r[0] + r[1] <= self.size):
                 raise FormatError(f"{self.path}: a source range in {source!r} is {_describe(r)}, not "
-                                  f"[offset, length, offset in a file of {length} bytes]")
-            bisect.insort(self._sources, (r[0], r[0] + r[1], source, r[2], (dev, ino, length)))
+                                  f"[offset in {self.size} bytes, length, offset in a file of {length} bytes]")
+            item = (r[0], r[0] + r[1], source, r[2], (dev, ino, length, ctime_ns))
+            i = bisect.bisect_left(sources, item)
+            if (i > 0 and sources[i - 1][1] > item[0]) or (i < len(sources) and sources[i][0] < item[1]):
+                raise FormatError(f"{self.path}: bytes [{item[0]}, {item[1]}) are said to lie in two places")
+            sources.insert(i, item)
             out.append(r[:2])
+        self._sources = tuple(sources)
         return out
 
     def _readinto(self, mv, offset):
         import bisect
 
+        sources = self._sources  # the list as now: add() replaces it, never changes it
         done, n = 0, len(mv)
         while done < n:
             at = offset + done
-            i = bisect.bisect_right(self._sources, (at, float("inf"))) - 1
-            if i < 0 or self._sources[i][1] <= at:
+            i = bisect.bisect_right(sources, (at, float("inf"))) - 1
+            if i < 0 or sources[i][1] <= at:
                 raise FormatError(f"{self.path}: byte {at} was read before the restore said where it lies")
-            lo, hi, source, from_, ident = self._sources[i]
+            lo, hi, source, from_, ident = sources[i]
             k = min(hi - at, n - done)
             self._read_source(source, ident, mv[done:done + k], from_ + at - lo)
             done += k
 
+    @staticmethod
+    def _identity(st):
+        return st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns
+
     def _read_source(self, source, ident, mv, offset):
+        changed = f"{source}: not the chunk the restore checked (replaced or changed since)"
         try:
             fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             raise FormatError(f"{source}: a chunk the restore checked cannot be opened: {e.strerror}") from None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino, st.st_size) != ident:
-                raise FormatError(f"{source}: not the chunk the restore checked (replaced or changed since)")
+            if not stat.S_ISREG(st.st_mode) or self._identity(st) != ident:
+                raise FormatError(changed)
             done = 0
             while done < len(mv):
                 got = os.preadv(fd, [mv[done:done + _READ_BYTES_MAX]], offset + done)
                 if got == 0:
                     raise FormatError(f"{source}: ended at byte {offset + done}, cut while it was read")
                 done += got
+            # Written while it was read: what was read may be neither the old bytes nor new.
+            if self._identity(os.fstat(fd)) != ident:
+                raise FormatError(changed)
         finally:
             os.close(fd)
 

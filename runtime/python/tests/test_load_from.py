@@ -189,26 +189,35 @@ class LoadFrom(tc.TorchEnv):
         self.assertEqual((kind, written), (_read.SourcedFile, ["metadata.json"]))
         self.assertGreater(size, 2_400_000)
 
-        # A chunk replaced after the restore checked it (here: as its first source is given) is
-        # not read: the load fails, naming it.
+        # The store's URL as a user may write it: the restore names its chunks in normal form.
         bucket = url[len("file://"):]
+        head, tail = os.path.split(bucket)
+        fresh = self.state(9)
+        self.assertEqual(er.load_from(f"file://{head}//./{tail}/", fresh), 5)
+        self.assert_same(saved, fresh)
+
+        # A chunk replaced after the restore checked it (here: as its first source is given),
+        # by a rename or by the same bytes written again in place, is not read: the load
+        # fails, naming it.
         add = _read.SourcedFile.add
-        replaced = []
+        for how in ("renamed", "rewritten in place"):
+            replaced = []
 
-        def swap(self_, path, *a):
-            if not replaced:
-                with open(path, "rb") as f:
-                    data = f.read()
-                os.rename(path, path + ".old")
-                with open(path, "wb") as f:
-                    f.write(data)
-                replaced.append(path)
-            return add(self_, path, *a)
+            def swap(self_, path, *a):
+                if not replaced:
+                    with open(path, "rb") as f:
+                        data = f.read()
+                    if how == "renamed":
+                        os.rename(path, path + ".old")
+                    with open(path, "r+b" if how != "renamed" else "wb") as f:
+                        f.write(data)
+                    replaced.append(path)
+                return add(self_, path, *a)
 
-        with mock.patch.object(_read.SourcedFile, "add", swap):
-            with self.assertRaisesRegex(er.FormatError, "not the chunk the restore checked"):
-                er.load_from(url, self.state(8))
-        self.assertTrue(replaced[0].startswith(bucket + "/"), replaced)
+            with self.subTest(how), mock.patch.object(_read.SourcedFile, "add", swap):
+                with self.assertRaisesRegex(er.FormatError, "not the chunk the restore checked"):
+                    er.load_from(url, self.state(8))
+                self.assertTrue(replaced[0].startswith(bucket + "/"), replaced)
 
     def test_a_newest_step_that_breaks_midway_is_dropped_for_the_older_one_whole(self):
         # Raw chunks, read where they lie, and compressed ones, written out.
@@ -414,26 +423,38 @@ class RestoreEvents(tc.TorchEnv):
 
         def source(path, ranges=None, **kw):
             return {"event": "source", "step": 5, "name": "state.safetensors", "path": path, "bytes": st.st_size,
-                    "dev": st.st_dev, "ino": st.st_ino, "ranges": ranges or [[8 + n, 40, 3]], **kw}
+                    "dev": st.st_dev, "ino": st.st_ino, "ctime_ns": st.st_ctime_ns,
+                    "ranges": ranges or [[8 + n, 40, 3]], **kw}
 
-        # Read from the chunk, at the offsets given.
-        load = _load_from._Overlapped("file://" + bucket, self.dest, {}, True)
-        self.feed(load, self.step(5), header, source(chunk))
-        step, tensors, _, _ = load.finish()
-        self.assertEqual(step, 5)
-        self.assertTrue(self.torch.equal(tensors["model/w"], t))
-        self.assertEqual(os.listdir(self.dest), [])
+        # Read from the chunk, at the offsets given, however the store's URL and the chunk's
+        # path are written (a backslash is a slash in a file URL).
+        tmp = os.path.dirname(bucket)
+        for url, path in [("file://" + bucket, chunk),
+                          ("file://" + tmp + "//./b/", bucket + "//steps/./c.bin"),
+                          ("file://" + tmp + "\\b", chunk)]:
+            with self.subTest(url):
+                load = _load_from._Overlapped(url, self.dest, {}, True)
+                self.feed(load, self.step(5), header, source(path))
+                step, tensors, _, _ = load.finish()
+                self.assertEqual(step, 5)
+                self.assertTrue(self.torch.equal(tensors["model/w"], t))
+                self.assertEqual(os.listdir(self.dest), [])
         for bad, want in [(source("/etc/passwd"), "not a file in the store"),
                           (source(bucket + "/steps/../../x"), "not a file in the store"),
+                          (source(bucket + "/steps/../steps/c.bin"), "not a file in the store"),
                           (source("steps/c.bin"), "not a file in the store"),
-                          (source(chunk, [[8 + n, 40, st.st_size - 39]]), "not \\[offset, length"),
+                          (source(chunk, [[8 + n, 40, st.st_size - 39]]), "length, offset in a file of"),
+                          (source(chunk, [[8 + n, 40, 3], [8 + n + 20, 20, 23]]), "said to lie in two places"),
+                          (source(chunk, [[len(raw) - 4, 8, 0]]), "not \\[offset in"),
                           (source(chunk, bytes=-1), "is given as"),
+                          (source(chunk, ctime_ns=None), "is given as"),
+                          ({**header, "header": "\udc80"}, "header is not UTF-8"),
                           ({"event": "ready", "step": 5, "name": "state.safetensors", "ranges": [[8 + n, 40]]},
                            "a ready event for a state file that is read from the store's chunks")]:
             with self.subTest(want):
                 load = _load_from._Overlapped("file://" + bucket, self.dest, {}, True)
                 with self.assertRaisesRegex(er.FormatError, want):
-                    self.feed(load, self.step(5), header, bad)
+                    self.feed(load, self.step(5), *([header] if bad["event"] != "header" else []), bad)
                 load.abandon()
         # A source for a step whose file was written, or from a store that is not a directory.
         load = _load_from._Overlapped("file://" + bucket, self.dest, {}, True)
