@@ -537,31 +537,45 @@ async fn a_restore_without_copies_names_the_checked_chunks_that_hold_the_state()
     );
 }
 
-/// A restore without copies falls back as a restore does: step 2's last chunk has a flipped
-/// bit, so its first chunks are named as sources before it fails, and then step 1 is given
-/// whole, bitwise the file a restore of step 1 writes.
-#[tokio::test]
-async fn a_restore_without_copies_falls_back_past_a_corrupt_chunk() {
+/// Steps 1 and 2 saved to a local directory; `flip` changes the bytes of each chunk of step 2
+/// (told whether it is the last); rank `rank` of `world`, restored without copies, must fall
+/// back to step 1, given bitwise and each byte once. Returns the restore's events.
+async fn falls_back_to_step_1(
+    flip: impl Fn(&mut [u8], bool),
+    rank: u32,
+    world: u32,
+) -> Vec<String> {
     let root = tempfile::tempdir().unwrap();
     let store = Store::open(&format!("file://{}", root.path().display())).unwrap();
     save(&store, 1).await;
     save(&store, 2).await;
     let m = store.read_manifest(2, &cancel()).await.unwrap();
-    let last = root.path().join(&m.objects.last().unwrap().key);
-    let mut b = std::fs::read(&last).unwrap();
-    b[100] ^= 0x04;
-    std::fs::write(&last, b).unwrap();
-    let (p, _dir) = restore_without_copies(&store, Some(root.path()), None, 0, 1).await;
+    for (i, o) in m.objects.iter().enumerate() {
+        let path = root.path().join(&o.key);
+        let mut b = std::fs::read(&path).unwrap();
+        flip(&mut b, i + 1 == m.objects.len());
+        std::fs::write(&path, b).unwrap();
+    }
+    let (p, _dir) = restore_without_copies(&store, Some(root.path()), None, rank, world).await;
+    assert_eq!((p.report.step, p.report.skipped_steps), (1, vec![2]));
+    let (got, count) = &p.files[&1];
+    assert!(count.iter().all(|&c| c == 1));
+    assert_eq!(got, &restore(&store, Some(1), rank, world).await.1);
+    p.log
+}
+
+/// A restore without copies falls back as a restore does: step 2's last chunk has a flipped
+/// bit, so its first chunks are named as sources before it fails, and then step 1 is given
+/// whole, bitwise the file a restore of step 1 writes.
+#[tokio::test]
+async fn a_restore_without_copies_falls_back_past_a_corrupt_chunk() {
+    let log = falls_back_to_step_1(|b, last| b[100] ^= u8::from(last) * 0x04, 0, 1).await;
     assert_eq!(
-        p.log,
+        log,
         [
             "step 2", "header 2", "source 2", "failed 2", "step 1", "header 1", "source 1"
         ]
     );
-    assert_eq!((p.report.step, p.report.skipped_steps), (1, vec![2]));
-    let (got, count) = &p.files[&1];
-    assert!(count.iter().all(|&c| c == 1));
-    assert_eq!(got, &restore(&store, Some(1), 0, 1).await.1);
 }
 
 /// The blocks a resharding restore without copies checks are checked: with a flipped byte
@@ -571,25 +585,14 @@ async fn a_restore_without_copies_falls_back_past_a_corrupt_chunk() {
 async fn a_restore_without_copies_checks_each_block_it_names() {
     use checkpoint::format::CHECK_BLOCK_BYTES;
 
-    let root = tempfile::tempdir().unwrap();
-    let store = Store::open(&format!("file://{}", root.path().display())).unwrap();
-    save(&store, 1).await;
-    save(&store, 2).await;
-    let m = store.read_manifest(2, &cancel()).await.unwrap();
-    for o in &m.objects {
-        let path = root.path().join(&o.key);
-        let mut b = std::fs::read(&path).unwrap();
+    let block = CHECK_BLOCK_BYTES as usize;
+    let flip = |b: &mut [u8], _| {
         let n = b.len();
-        for at in (0..n).step_by(CHECK_BLOCK_BYTES as usize) {
-            b[at + (CHECK_BLOCK_BYTES as usize / 2).min(n - at - 1)] ^= 0x10;
+        for at in (0..n).step_by(block) {
+            b[at + (block / 2).min(n - at - 1)] ^= 0x10;
         }
-        std::fs::write(&path, b).unwrap();
-    }
-    let (p, _dir) = restore_without_copies(&store, Some(root.path()), None, 1, 3).await;
-    assert_eq!((p.report.step, p.report.skipped_steps), (1, vec![2]));
-    assert_eq!(p.log.last().map(String::as_str), Some("source 1"));
-    assert!(p.log.contains(&"failed 2".to_string()), "{:?}", p.log);
-    let (got, count) = &p.files[&1];
-    assert!(count.iter().all(|&c| c == 1));
-    assert_eq!(got, &restore(&store, Some(1), 1, 3).await.1);
+    };
+    let log = falls_back_to_step_1(flip, 1, 3).await;
+    assert_eq!(log.last().map(String::as_str), Some("source 1"));
+    assert!(log.contains(&"failed 2".to_string()), "{log:?}");
 }
