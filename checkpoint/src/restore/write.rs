@@ -314,12 +314,12 @@ impl Store {
     }
 }
 
-/// The output ranges `[offset, length]` that `ops` fill, by output file, in order, with
-/// ranges that meet joined.
 /// A chunk file checked where it lies, as it was when checked: a reader that finds the same
-/// device, inode, length and change time reads the bytes that were checked (a rename puts
-/// another inode there, and a rewrite in place moves the change time, which no caller can
-/// set back).
+/// device, inode, length and change time reads the bytes that were checked: a rename puts
+/// another inode there, and a write in place moves the change time, which no caller can set
+/// back. (The kernel may keep the change time at a clock tick's grain, a few milliseconds: a
+/// write in the same tick as the file's previous change, or through a writable mapping made
+/// before the check, can go unseen.)
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct CheckedFile {
     pub path: PathBuf,
@@ -345,6 +345,8 @@ impl CheckedFile {
     }
 }
 
+/// The output ranges `[offset, length]` that `ops` fill, by output file, in order, with
+/// ranges that meet joined.
 fn ready_ranges(ops: &[CopyOp]) -> BTreeMap<usize, Vec<[u64; 2]>> {
     source_ranges(ops)
         .into_iter()

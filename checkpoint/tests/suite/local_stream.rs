@@ -354,6 +354,8 @@ struct Pointed {
     log: Vec<String>,
     /// Step -> the state file as its events give it, and how often each byte was given.
     files: BTreeMap<u64, (Vec<u8>, Vec<u8>)>,
+    /// Step -> `(chunk file, offset there, length)` of each range a `source` event named.
+    sources: BTreeMap<u64, Vec<(PathBuf, u64, u64)>>,
 }
 
 async fn restore_without_copies(
@@ -367,13 +369,17 @@ async fn restore_without_copies(
     use std::os::unix::fs::{FileExt, MetadataExt};
     use std::sync::{Arc, Mutex};
 
-    let seen = Arc::new(Mutex::new((Vec::<String>::new(), BTreeMap::new())));
+    let seen = Arc::new(Mutex::new((
+        Vec::<String>::new(),
+        BTreeMap::new(),
+        BTreeMap::<u64, Vec<_>>::new(),
+    )));
     let root = root.map(Path::to_path_buf);
     let events: checkpoint::ReadEvents = {
         let seen = seen.clone();
         Arc::new(move |ev: &ReadEvent| {
             let mut guard = seen.lock().unwrap();
-            let (log, files) = &mut *guard;
+            let (log, files, sources) = &mut *guard;
             let line = match ev {
                 ReadEvent::Step { step, .. } => format!("step {step}"),
                 ReadEvent::Header {
@@ -420,6 +426,10 @@ async fn restore_without_copies(
                         let (a, b) = (at as usize, (at + len) as usize);
                         src.read_exact_at(&mut f[a..b], from).unwrap();
                         count[a..b].iter_mut().for_each(|c| *c += 1);
+                        sources
+                            .entry(*step)
+                            .or_default()
+                            .push((path.clone(), from, len));
                     }
                     format!("source {step}")
                 }
@@ -443,8 +453,16 @@ async fn restore_without_copies(
         .restore(step, rank, world, dir.path(), &opts, &cancel())
         .await
         .unwrap();
-    let (log, files) = std::mem::take(&mut *seen.lock().unwrap());
-    (Pointed { report, log, files }, dir)
+    let (log, files, sources) = std::mem::take(&mut *seen.lock().unwrap());
+    (
+        Pointed {
+            report,
+            log,
+            files,
+            sources,
+        },
+        dir,
+    )
 }
 
 /// A restore without copies from a local directory of raw chunks writes no state file: its
@@ -537,30 +555,33 @@ async fn a_restore_without_copies_names_the_checked_chunks_that_hold_the_state()
     );
 }
 
-/// Steps 1 and 2 saved to a local directory; `flip` changes the bytes of each chunk of step 2
-/// (told whether it is the last); rank `rank` of `world`, restored without copies, must fall
-/// back to step 1, given bitwise and each byte once. Returns the restore's events.
-async fn falls_back_to_step_1(
-    flip: impl Fn(&mut [u8], bool),
-    rank: u32,
-    world: u32,
-) -> Vec<String> {
+/// Steps 1 and 2 of [`save`] in a new local directory, and step 2's manifest.
+async fn two_steps() -> (tempfile::TempDir, Store, checkpoint::format::Manifest) {
     let root = tempfile::tempdir().unwrap();
     let store = Store::open(&format!("file://{}", root.path().display())).unwrap();
     save(&store, 1).await;
     save(&store, 2).await;
     let m = store.read_manifest(2, &cancel()).await.unwrap();
-    for (i, o) in m.objects.iter().enumerate() {
-        let path = root.path().join(&o.key);
-        let mut b = std::fs::read(&path).unwrap();
-        flip(&mut b, i + 1 == m.objects.len());
-        std::fs::write(&path, b).unwrap();
-    }
-    let (p, _dir) = restore_without_copies(&store, Some(root.path()), None, rank, world).await;
+    (root, store, m)
+}
+
+/// Flips a byte in block `block` (of [`CHECK_BLOCK_BYTES`]) of the file at `path`.
+fn flip_in_block(path: &Path, block: u64) {
+    use checkpoint::format::CHECK_BLOCK_BYTES;
+    let mut b = std::fs::read(path).unwrap();
+    let (at, n) = ((block * CHECK_BLOCK_BYTES) as usize, b.len());
+    b[at + (CHECK_BLOCK_BYTES as usize / 2).min(n - at - 1)] ^= 0x10;
+    std::fs::write(path, b).unwrap();
+}
+
+/// Rank `rank` of `world` of `store` (whose step 2 is made corrupt), restored without copies,
+/// falls back to step 1, given bitwise and each byte once. Returns the restore's events.
+async fn falls_back_to_step_1(store: &Store, root: &Path, rank: u32, world: u32) -> Vec<String> {
+    let (p, _dir) = restore_without_copies(store, Some(root), None, rank, world).await;
     assert_eq!((p.report.step, p.report.skipped_steps), (1, vec![2]));
     let (got, count) = &p.files[&1];
     assert!(count.iter().all(|&c| c == 1));
-    assert_eq!(got, &restore(&store, Some(1), rank, world).await.1);
+    assert_eq!(got, &restore(store, Some(1), rank, world).await.1);
     p.log
 }
 
@@ -569,30 +590,52 @@ async fn falls_back_to_step_1(
 /// whole, bitwise the file a restore of step 1 writes.
 #[tokio::test]
 async fn a_restore_without_copies_falls_back_past_a_corrupt_chunk() {
-    let log = falls_back_to_step_1(|b, last| b[100] ^= u8::from(last) * 0x04, 0, 1).await;
+    let (root, store, m) = two_steps().await;
+    flip_in_block(&root.path().join(&m.objects.last().unwrap().key), 0);
     assert_eq!(
-        log,
+        falls_back_to_step_1(&store, root.path(), 0, 1).await,
         [
             "step 2", "header 2", "source 2", "failed 2", "step 1", "header 1", "source 1"
         ]
     );
 }
 
-/// The blocks a resharding restore without copies checks are checked: with a flipped byte
-/// in every block of every chunk of step 2, rank 1 of 3 (which needs only some blocks of
-/// each chunk) finds step 2 corrupt and is given step 1, bitwise.
+/// A resharding restore without copies checks the blocks it names, and only those: rank 1
+/// of 3 needs some blocks of step 2's chunks. A flipped byte in a block it does not need
+/// leaves step 2 whole for it; one in the last block it needs (beside the bytes it needs,
+/// not in them) makes it fall back to step 1.
 #[tokio::test]
-async fn a_restore_without_copies_checks_each_block_it_names() {
+async fn a_restore_without_copies_checks_the_blocks_it_needs_and_only_those() {
     use checkpoint::format::CHECK_BLOCK_BYTES;
+    use std::collections::BTreeSet;
 
-    let block = CHECK_BLOCK_BYTES as usize;
-    let flip = |b: &mut [u8], _| {
-        let n = b.len();
-        for at in (0..n).step_by(block) {
-            b[at + (block / 2).min(n - at - 1)] ^= 0x10;
-        }
-    };
-    let log = falls_back_to_step_1(flip, 1, 3).await;
-    assert_eq!(log.last().map(String::as_str), Some("source 1"));
+    let (root, store, m) = two_steps().await;
+    let (p, _dir) = restore_without_copies(&store, Some(root.path()), Some(2), 1, 3).await;
+    let needed: BTreeSet<(PathBuf, u64)> = p.sources[&2]
+        .iter()
+        .flat_map(|(path, from, len)| {
+            (from / CHECK_BLOCK_BYTES..=(from + len - 1) / CHECK_BLOCK_BYTES)
+                .map(move |b| (path.clone(), b))
+        })
+        .collect();
+    let unneeded = m
+        .objects
+        .iter()
+        .flat_map(|o| {
+            let path = root.path().join(&o.key);
+            (0..o.stored_bytes.div_ceil(CHECK_BLOCK_BYTES)).map(move |b| (path.clone(), b))
+        })
+        .find(|pb| !needed.contains(pb))
+        .expect("rank 1 of 3 does not need every block");
+
+    flip_in_block(&unneeded.0, unneeded.1);
+    let (p, _dir) = restore_without_copies(&store, Some(root.path()), None, 1, 3).await;
+    assert_eq!(p.log, ["step 2", "header 2", "source 2"]);
+    assert_eq!(p.files[&2].0, restore(&store, Some(2), 1, 3).await.1);
+
+    let (path, block) = needed.last().unwrap();
+    flip_in_block(path, *block);
+    let log = falls_back_to_step_1(&store, root.path(), 1, 3).await;
+    assert_eq!(&log[..2], ["step 2", "header 2"]);
     assert!(log.contains(&"failed 2".to_string()), "{log:?}");
 }

@@ -96,13 +96,26 @@ def _is_url(s):
 
 
 def _local_root(url):
-    """The directory of a ``file://`` URL, normalized; None for another store."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme.lower() != "file" or parts.netloc not in ("", "localhost"):
+    """The directory of a ``file://`` URL as the store reads it, in normal form; None for
+    another store. As in the store: a backslash is a slash (an escaped one, %5C, is a
+    backslash in a name), the host is empty or ``localhost`` in any case, and ``//`` and
+    ``/./`` are one slash. A directory named with an escaped ``..`` is None: its chunks are
+    never read in place."""
+    scheme, sep, rest = url.partition(":")
+    if scheme.lower() != "file" or not sep:
         return None
-    # As the store reads the URL: a backslash is a slash in a file URL (an escaped one, %5C,
-    # is a backslash in a name).
-    return os.path.normpath(urllib.parse.unquote(parts.path.replace("\\", "/"))) or None
+    parts = urllib.parse.urlsplit("file:" + rest.replace("\\", "/"))
+    if parts.netloc.lower() not in ("", "localhost"):
+        return None
+    path = urllib.parse.unquote(parts.path) or "/"
+    if ".." in path.split("/"):
+        return None
+    return _normal(path)
+
+
+def _normal(path):
+    """An absolute path in normal form: one leading slash (``normpath`` keeps two)."""
+    return "/" + os.path.normpath(path).lstrip("/")
 
 
 def _ckpt_exe():
@@ -263,11 +276,16 @@ class _Overlapped:
 
     def _source_path(self, path, where):
         """A chunk file a ``source`` event names, in normal form: an absolute path inside the
-        store's directory (no ``..`` out of it)."""
+        store's directory, with no ``..`` and nothing a file name cannot hold."""
         root = _local_root(self.url)
-        normal = os.path.normpath(path) if isinstance(path, str) and os.path.isabs(path) else None
-        if normal is None or root is None or ".." in path.split("/") \
-                or os.path.commonpath([root, normal]) != root or normal == root:
+        try:
+            ok = isinstance(path, str) and os.path.isabs(path) and "\0" not in path \
+                and ".." not in path.split("/") and root is not None and bool(os.fsencode(path))
+            normal = _normal(path) if ok else None
+            ok = ok and normal != root and os.path.commonpath([root, normal]) == root
+        except (UnicodeError, ValueError):
+            ok = False
+        if not ok:
             raise FormatError(f"{where}: the restore names the chunk {_describe(path)}, not a file in the store "
                               f"{self.url}")
         return normal

@@ -292,7 +292,8 @@ class SourcedFile(TensorFile):
     (never through a symlink) and reads there only while it is still the file that was
     checked, unchanged: the same device, inode, length and inode change time, before and
     after the read (a rename puts another inode there; a write in place moves the change
-    time, which no one can set back). Reads are as :class:`TensorFile`'s, from any thread."""
+    time, which no one can set back, at the grain of the kernel's clock tick). Reads are as
+    :class:`TensorFile`'s, from any thread."""
 
     def __init__(self, path, header, size):
         self.path, self.size, self._map, self.fd = path, size, None, -1

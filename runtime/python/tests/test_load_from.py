@@ -431,7 +431,10 @@ class RestoreEvents(tc.TorchEnv):
         tmp = os.path.dirname(bucket)
         for url, path in [("file://" + bucket, chunk),
                           ("file://" + tmp + "//./b/", bucket + "//steps/./c.bin"),
-                          ("file://" + tmp + "\\b", chunk)]:
+                          ("file://" + tmp + "\\b", chunk),
+                          ("file://" + bucket.replace("/", "\\"), chunk),
+                          ("file:///" + bucket, "/" + chunk),
+                          ("FILE://LocalHost" + bucket, chunk)]:
             with self.subTest(url):
                 load = _load_from._Overlapped(url, self.dest, {}, True)
                 self.feed(load, self.step(5), header, source(path))
@@ -443,6 +446,8 @@ class RestoreEvents(tc.TorchEnv):
                           (source(bucket + "/steps/../../x"), "not a file in the store"),
                           (source(bucket + "/steps/../steps/c.bin"), "not a file in the store"),
                           (source("steps/c.bin"), "not a file in the store"),
+                          (source(chunk + "\0"), "not a file in the store"),
+                          (source(bucket + "/\ud800"), "not a file in the store"),
                           (source(chunk, [[8 + n, 40, st.st_size - 39]]), "length, offset in a file of"),
                           (source(chunk, [[8 + n, 40, 3], [8 + n + 20, 20, 23]]), "said to lie in two places"),
                           (source(chunk, [[len(raw) - 4, 8, 0]]), "not \\[offset in"),
@@ -462,10 +467,11 @@ class RestoreEvents(tc.TorchEnv):
         with self.assertRaisesRegex(er.FormatError, "a source event for a state file that is not read"):
             self.feed(load, self.step(5), self.file(5, os.path.join(self.dest, ".x"), len(raw)), source(chunk))
         load.abandon()
-        load = _load_from._Overlapped("s3://b/j", self.dest, {}, True)
-        with self.assertRaisesRegex(er.FormatError, "not a file in the store"):
-            self.feed(load, self.step(5), header, source(chunk))
-        load.abandon()
+        for url in ("s3://b/j", "file://elsewhere" + bucket, "file://" + tmp + "/a%2F..%2Fb"):
+            load = _load_from._Overlapped(url, self.dest, {}, True)
+            with self.assertRaisesRegex(er.FormatError, "not a file in the store"):
+                self.feed(load, self.step(5), header, source(chunk))
+            load.abandon()
 
 
 if __name__ == "__main__":
