@@ -76,6 +76,17 @@ pub struct ReadOptions {
     pub no_copy: bool,
 }
 
+impl ReadOptions {
+    /// These options without [`ReadOptions::no_copy`], for a read that writes its files
+    /// always (a pull, an export): only a restore may leave them unwritten.
+    pub(crate) fn writing_files(&self) -> ReadOptions {
+        ReadOptions {
+            no_copy: false,
+            ..self.clone()
+        }
+    }
+}
+
 impl Default for ReadOptions {
     fn default() -> Self {
         Self {
@@ -219,11 +230,7 @@ impl Store {
                 prefix,
             });
         }
-        // A pull writes its files, always.
-        let opts = &ReadOptions {
-            no_copy: false,
-            ..opts.clone()
-        };
+        let opts = &opts.writing_files();
         self.materialize(&m, layout, None, dest, RootLink::Follow, opts, cancel)
             .await?;
         Ok(m)

@@ -185,6 +185,7 @@ class _Overlapped:
 
     def __init__(self, url, dest, state, strict):
         self.url, self.dest, self.state, self.strict = url, dest, state, strict
+        self.root = _local_root(url)  # where the chunks that source events name must lie
         self.meta = None  # (step, rank, world, rest) of the step being read
         self.file = None
         self.reader = None
@@ -277,18 +278,18 @@ class _Overlapped:
     def _source_path(self, path, where):
         """A chunk file a ``source`` event names, in normal form: an absolute path inside the
         store's directory, with no ``..`` and nothing a file name cannot hold."""
-        root = _local_root(self.url)
         try:
-            ok = isinstance(path, str) and os.path.isabs(path) and "\0" not in path \
-                and ".." not in path.split("/") and root is not None and bool(os.fsencode(path))
-            normal = _normal(path) if ok else None
-            ok = ok and normal != root and os.path.commonpath([root, normal]) == root
+            if not isinstance(path, str) or not os.path.isabs(path) or "\0" in path or ".." in path.split("/") \
+                    or self.root is None:
+                raise ValueError(path)
+            os.fsencode(path)  # a lone surrogate cannot name a file
+            normal = _normal(path)
+            if normal == self.root or os.path.commonpath([self.root, normal]) != self.root:
+                raise ValueError(path)
+            return normal
         except (UnicodeError, ValueError):
-            ok = False
-        if not ok:
             raise FormatError(f"{where}: the restore names the chunk {_describe(path)}, not a file in the store "
-                              f"{self.url}")
-        return normal
+                              f"{self.url}") from None
 
     def _open_written(self, path, name, step):
         """``(TensorFile, descriptor for writing)`` of the file a ``file`` event of ``step``
