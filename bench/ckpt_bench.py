@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -32,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import elastic_run as er  # noqa: E402
+from elastic_run import _load_from  # noqa: E402
 
 HIDDEN = 2048
 LAYER_BYTES = (HIDDEN * HIDDEN + HIDDEN) * 4
@@ -480,9 +482,11 @@ def bench_restore(a, model, opt, base, disk, moto):
                     "fetch_rss_rise_mib": js["rss_rise_bytes"] / 2**20}
         return run
 
-    def m_from(kind, world):
-        """elastic_run.load_from(URL): the restore (elastic-ckpt restore --events, into
-        `base`) with the load overlapped, read into the model and optimizer."""
+    def m_from(kind, world, into=True):
+        """elastic_run.load_from(URL): the restore (elastic-ckpt restore --events) with the
+        load overlapped, read into the model and optimizer. From S3 the restore writes into
+        the tensors (--into-parent); with `into` False it writes a file into `base`, which
+        the load reads."""
         def run():
             wipe(model, opt)
             er_env(base, 0, world)
@@ -493,7 +497,8 @@ def bench_restore(a, model, opt, base, disk, moto):
             r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             try:
                 t0 = time.perf_counter()
-                step = er.load_from(urls[kind], {"model": model, "optimizer": opt}, work_dir=base)
+                with mock.patch.object(_load_from, "_INTO_PROCESS", into):
+                    step = er.load_from(urls[kind], {"model": model, "optimizer": opt}, work_dir=base)
                 dt = time.perf_counter() - t0
             finally:
                 os.environ.clear()
@@ -578,10 +583,13 @@ def bench_restore(a, model, opt, base, disk, moto):
             ("checkpoint restore + elastic_run.load, world 2->2 (s3)", s3_warm("s3", m_er("s3", 2))),
             ("checkpoint restore + elastic_run.load, world 2->3 (s3)", s3_warm("s3", m_er("s3", 3))),
             ("elastic_run.load_from, world 2->2 (s3)", s3_warm("s3", m_from("s3", 2))),
+            ("elastic_run.load_from through a file, world 2->2 (s3)", s3_warm("s3", m_from("s3", 2, into=False))),
             ("raw object_store get of the step (s3)", s3_warm("s3", m_raw("s3"))),
             ("checkpoint restore + elastic_run.load, world 2->2 (s3, raw chunks)",
              s3_warm("s3-raw", m_er("s3-raw", 2))),
             ("elastic_run.load_from, world 2->2 (s3, raw chunks)", s3_warm("s3-raw", m_from("s3-raw", 2))),
+            ("elastic_run.load_from through a file, world 2->2 (s3, raw chunks)",
+             s3_warm("s3-raw", m_from("s3-raw", 2, into=False))),
             ("raw object_store get of the step (s3, raw chunks)", s3_warm("s3-raw", m_raw("s3-raw"))),
             ("checkpoint restore only, row-sharded state, world 2->2 (s3, compressed)",
              s3_warm("sharded-s3", m_shard(2, "sharded-s3"))),

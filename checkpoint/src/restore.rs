@@ -28,6 +28,7 @@
 //! for raw chunks on a local directory; a compressed chunk on a local directory is read whole
 //! first.
 
+mod into_process;
 mod ranged;
 mod read;
 mod steps;
@@ -49,6 +50,9 @@ use crate::store::Store;
 pub(crate) use write::{Layout, OutFile, file_range_copies};
 
 pub use crate::local::check_fresh_dir;
+pub use into_process::{
+    IntoProcess, TARGETS_LINE_BYTES_MAX, TARGETS_MAX, Target, Targets, parse_targets,
+};
 pub use read::VerifyReport;
 pub use steps::{StepInfo, StepSummary};
 
@@ -74,14 +78,21 @@ pub struct ReadOptions {
     /// written (a [`ReadEvent::Header`] gives each one's header instead). Otherwise (a
     /// compressed chunk, a remote store) the step is written as usual.
     pub no_copy: bool,
+    /// With `events`, for a step not read without copies: write the outputs into the
+    /// reader's memory, where it says ([`IntoProcess`]), instead of into files. Each output's
+    /// [`ReadEvent::Header`] (with `targets: true`) asks the reader for its targets; a reader
+    /// that answers none, or that this process may not write into, gets the files.
+    pub into_process: Option<IntoProcess>,
 }
 
 impl ReadOptions {
-    /// These options without [`ReadOptions::no_copy`], for a read that writes its files
-    /// always (a pull, an export): only a restore may leave them unwritten.
+    /// These options without [`ReadOptions::no_copy`] and [`ReadOptions::into_process`], for
+    /// a read that writes its files always (a pull, an export): only a restore may leave them
+    /// unwritten.
     pub(crate) fn writing_files(&self) -> ReadOptions {
         ReadOptions {
             no_copy: false,
+            into_process: None,
             ..self.clone()
         }
     }
@@ -95,6 +106,7 @@ impl Default for ReadOptions {
             events: None,
             sync: true,
             no_copy: false,
+            into_process: None,
         }
     }
 }
@@ -104,7 +116,10 @@ impl Default for ReadOptions {
 /// come in this order: `Step`, one `File` for each output, then `Ready`s, as chunks come in;
 /// and `Failed` if the step's read fails. A step read without copies
 /// ([`ReadOptions::no_copy`]) has a `Header` for each output instead of its `File`, and
-/// `Source`s instead of `Ready`s. A restore that falls back then starts again with the
+/// `Source`s instead of `Ready`s. A step read into the reader's memory
+/// ([`ReadOptions::into_process`]) has a `Header` (asking for targets) for each output, and
+/// then either `Ready`s (the ranges are in the reader's memory) or, when it is written as
+/// files after all, `File`s and `Ready`s. A restore that falls back then starts again with the
 /// older step's `Step`. Only a read that ends without error has delivered the step: what
 /// was ready of a failed step is to be dropped, whatever was read of it.
 #[derive(Debug, Clone, Serialize)]
@@ -133,12 +148,15 @@ pub enum ReadEvent {
     },
     /// Output `name` is not written ([`ReadOptions::no_copy`]): it would be `bytes` long, and
     /// begin with the 8-byte little-endian length of `header` and then `header`, a
-    /// safetensors JSON header. Its data comes in `Source` events.
+    /// safetensors JSON header. Its data comes in `Source` events, or, with `targets`
+    /// ([`ReadOptions::into_process`]), the reader is to answer where in its memory each
+    /// range goes, and its data comes in `Ready` events once there.
     Header {
         step: u64,
         name: String,
         bytes: u64,
         header: String,
+        targets: bool,
     },
     /// Byte ranges of output `name` are the bytes of the file `path` (a chunk of a local
     /// directory: `bytes` long, device `dev`, inode `ino` and inode change time `ctime_ns`,
@@ -171,8 +189,9 @@ pub struct RestoreReport {
     pub world_size: u32,
     /// `<dest>/state.safetensors`, unless `written` is false.
     pub path: PathBuf,
-    /// False when a read without copies ([`ReadOptions::no_copy`]) wrote no state file: its
-    /// bytes lie in the store's chunks, where its events named them.
+    /// False when a read without copies ([`ReadOptions::no_copy`]) wrote no state file (its
+    /// bytes lie in the store's chunks, where its events named them), or a read into the
+    /// reader's memory ([`ReadOptions::into_process`]) wrote them there.
     pub written: bool,
     /// `<dest>/metadata.json`: step, rank, world sizes and the trainer metadata.
     pub metadata_path: PathBuf,

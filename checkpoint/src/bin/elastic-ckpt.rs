@@ -131,6 +131,15 @@ enum Cmd {
         /// Otherwise the state file is written as without it.
         #[arg(long, requires = "events")]
         no_copy: bool,
+        /// With --events, for a step not read with --no-copy: write the state into the memory
+        /// of this process's parent (the reader) instead of a file. The header event carries
+        /// `"targets": true`, and the reader answers on stdin with one line, `{"step",
+        /// "name", "targets": [[offset, length, address], ...]}`: the addresses in its memory
+        /// that bytes [offset, offset + length) of the state go to (its tensors), or
+        /// `"targets": null` for the file. Ready events then say which ranges are there. Where
+        /// the system denies the writes (ptrace access), the file is written as without it.
+        #[arg(long, requires = "events")]
+        into_parent: bool,
         /// Skip the fsyncs of the state file: for a restore that is read once and removed
         /// (`elastic_run.load_from` passes it), on a disk they cost more than the read.
         #[arg(long)]
@@ -367,6 +376,34 @@ async fn newest_committed(
     }
 }
 
+/// The reader's answers on stdin for `restore --into-parent`: a line each, at most
+/// [`checkpoint::restore::TARGETS_LINE_BYTES_MAX`] bytes.
+fn reader_targets() -> checkpoint::restore::IntoProcess {
+    use std::io::{BufRead, Read};
+    let stdin = std::sync::Mutex::new(std::io::BufReader::new(std::io::stdin()));
+    checkpoint::restore::IntoProcess::parent(std::sync::Arc::new(move |step, name: &str| {
+        let mut line = String::new();
+        let mut input = stdin.lock().unwrap_or_else(|e| e.into_inner());
+        let n = (&mut *input)
+            .take(checkpoint::restore::TARGETS_LINE_BYTES_MAX)
+            .read_line(&mut line)
+            .map_err(|e| {
+                checkpoint::Error::InvalidInput(format!("reading the targets for {name}: {e}"))
+            })?;
+        if n == 0 || !line.ends_with('\n') {
+            return Err(checkpoint::Error::InvalidInput(format!(
+                "the reader's targets for {name}: {}",
+                if n == 0 {
+                    "its input ended before it answered".to_string()
+                } else {
+                    format!("no end of line within {n} bytes")
+                }
+            )));
+        }
+        checkpoint::restore::parse_targets(&line, step, name)
+    }))
+}
+
 fn print_json(v: &impl serde::Serialize) -> Result<()> {
     println!("{}", serde_json::to_string_pretty(v)?);
     Ok(())
@@ -566,6 +603,7 @@ async fn run(cli: Cli) -> Result<()> {
             events,
             no_sync,
             no_copy,
+            into_parent,
         } => {
             checkpoint::restore::check_fresh_dir(&dir, "restore target")?;
             if events && dir.to_str().is_none() {
@@ -595,6 +633,7 @@ async fn run(cli: Cli) -> Result<()> {
                 }),
                 sync: !no_sync,
                 no_copy,
+                into_process: into_parent.then(reader_targets),
             };
             let report = store
                 .restore(step, rank, world_size, &dir, &opts, &cancel)

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
+use super::into_process::{IntoProcess, Output, ProcessOut};
 use super::{ReadEvent, ReadOptions};
 use crate::codec::Codec;
 use crate::error::{Error, Result};
@@ -80,8 +81,9 @@ impl Store {
     /// behind. `root_link` says whether `dest` itself may be a symlink. Progress counts the
     /// bytes written; `opts.events` hears of the step (with `metadata`), its files and each
     /// chunk's bytes once they are checked and written, and of a failure. Returns false when
-    /// nothing was written: a read without copies ([`ReadOptions::no_copy`]) that pointed its
-    /// events at the chunks.
+    /// no file was written: a read without copies ([`ReadOptions::no_copy`]) that pointed its
+    /// events at the chunks, or a read into the reader's memory
+    /// ([`ReadOptions::into_process`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn materialize(
         &self,
@@ -142,8 +144,12 @@ impl Store {
             by_object.entry(op.object).or_default().push(op);
         }
         let point = self.can_point(m, &by_object, opts);
+        let into = opts
+            .into_process
+            .as_ref()
+            .filter(|_| !point && opts.events.is_some());
         let mut files = Vec::with_capacity(outs.len());
-        for o in outs.iter().filter(|_| point) {
+        for o in outs.iter().filter(|_| point || into.is_some()) {
             if let Some(ev) = &opts.events {
                 ev(&ReadEvent::Header {
                     step: m.step,
@@ -151,10 +157,16 @@ impl Store {
                     bytes: o.total_bytes,
                     header: String::from_utf8_lossy(o.prefix.get(8..).unwrap_or_default())
                         .into_owned(),
+                    targets: into.is_some(),
                 });
             }
         }
-        for o in outs.iter().filter(|_| !point) {
+        let process = match into {
+            Some(into) => ask_targets(m.step, &outs, into).await?,
+            None => None,
+        };
+        let to_files = !point && process.is_none();
+        for o in outs.iter().filter(|_| to_files) {
             // Never through a symlink inside `dest`, and never over one.
             let f = DurableFile::create_in(dest, &o.rel, root_link)?;
             made_dirs.extend(f.created_dirs.iter().cloned());
@@ -171,6 +183,10 @@ impl Store {
             files.push(f);
         }
         let files = Arc::new(files);
+        let output: Arc<dyn Output> = match process {
+            Some(p) => Arc::new(p),
+            None => files.clone(),
+        };
         let outs = &outs;
         // The first failure stops the other chunks (at their next block or store call), and
         // every chunk in flight is waited for, so that no task still holds an output file when
@@ -179,7 +195,7 @@ impl Store {
         let abort = &abort;
         let mut chunks = futures::stream::iter(by_object)
             .map(|(object, ops)| {
-                let files = files.clone();
+                let output = output.clone();
                 async move {
                     let n: u64 = ops.iter().map(|op| op.len).sum();
                     let ready = opts.events.as_ref().map(|_| ready_ranges(&ops));
@@ -224,14 +240,14 @@ impl Store {
                                     op: format!("get {key} on {url}"),
                                 });
                             }
-                            write_block(&ops, &files, at, b)
+                            write_block(&ops, &*output, at, b)
                         })
                         .await?;
                     } else if o.codec == Codec::Raw && self.has_local_root() {
                         let (store, o, abort) = (self.clone(), o.clone(), abort.clone());
                         let step = m.step;
                         tokio::task::spawn_blocking(move || {
-                            store.stream_local_raw(step, &o, &ops, &files, &abort)
+                            store.stream_local_raw(step, &o, &ops, &*output, &abort)
                         })
                         .await
                         .map_err(|e| Error::task_failed("read", e))??;
@@ -246,7 +262,7 @@ impl Store {
                                     op: format!("get {key} on {url}"),
                                 });
                             }
-                            write_block(&ops, &files, at, b)
+                            write_block(&ops, &*output, at, b)
                         })
                         .await?;
                     }
@@ -278,10 +294,11 @@ impl Store {
             }
         }
         drop(chunks);
+        drop(output);
         if let Some(e) = failed {
             return Err(e);
         }
-        if point {
+        if !to_files {
             return Ok(false);
         }
         let files = Arc::try_unwrap(files).map_err(|_| {
@@ -389,13 +406,46 @@ fn source_ranges(ops: &[CopyOp]) -> BTreeMap<usize, Vec<[u64; 3]>> {
     by_out
 }
 
+/// Asks the reader where each of `outs` goes in its memory. None when it answers for one
+/// of them that it wants files, or when this process may not write into it (a sandbox
+/// denies it): the outputs are then written as files. Every output is asked about, so the
+/// reader's answers are all read whatever the outcome.
+async fn ask_targets(
+    step: u64,
+    outs: &[OutFile],
+    into: &IntoProcess,
+) -> Result<Option<ProcessOut>> {
+    let mut answers = Vec::with_capacity(outs.len());
+    let mut all = true;
+    for o in outs {
+        let (targets, name) = (into.targets.clone(), o.rel.clone());
+        let answer = tokio::task::spawn_blocking(move || targets(step, &name))
+            .await
+            .map_err(|e| Error::task_failed("read the reader's targets", e))??;
+        match answer {
+            Some(t) => answers.push((o.rel.clone(), t, [o.prefix.len() as u64, o.total_bytes])),
+            None => all = false,
+        }
+    }
+    if !all {
+        return Ok(None);
+    }
+    let p = ProcessOut::new(into, answers)?;
+    if let Err(e) = p.probe() {
+        tracing::warn!(pid = into.pid(), error = %e, "cannot write into the reader's memory; writing the state to a file instead");
+        return Ok(None);
+    }
+    Ok(Some(p))
+}
+
 /// Writes what `ops` take of the object bytes `block`, which start at `pos` in the object.
-fn write_block(ops: &[CopyOp], files: &[DurableFile], pos: u64, block: &[u8]) -> Result<()> {
+fn write_block(ops: &[CopyOp], out: &dyn Output, pos: u64, block: &[u8]) -> Result<()> {
     let end = pos + block.len() as u64;
     for op in ops {
         let (a, b) = (op.obj_offset.max(pos), (op.obj_offset + op.len).min(end));
         if a < b {
-            files[op.out].write_at(
+            out.write_at(
+                op.out,
                 &block[(a - pos) as usize..(b - pos) as usize],
                 op.out_offset + (a - op.obj_offset),
             )?;
@@ -406,17 +456,17 @@ fn write_block(ops: &[CopyOp], files: &[DurableFile], pos: u64, block: &[u8]) ->
 
 impl Store {
     /// Copies what `ops` take of raw object `o` of a `file://` store straight from its file
-    /// into the output `files`; see [`Store::copy_local_raw`].
+    /// into the outputs; see [`Store::copy_local_raw`].
     fn stream_local_raw(
         &self,
         step: u64,
         o: &ObjectEntry,
         ops: &[CopyOp],
-        files: &[DurableFile],
+        out: &dyn Output,
         cancel: &CancellationToken,
     ) -> Result<()> {
         let f = self.open_local_raw(step, o)?;
-        self.copy_local_raw(step, o, &f, ops, files, cancel)?;
+        self.copy_local_raw(step, o, &f, ops, out, cancel)?;
         self.count_read(o.stored_bytes);
         Ok(())
     }
@@ -446,7 +496,7 @@ impl Store {
         match super::ranged::needed_blocks(o, ops) {
             Some(runs) => self.check_local_blocks(step, o, &f, &runs, cancel)?,
             None => {
-                self.copy_local_raw(step, o, &f, &[], &[], cancel)?;
+                self.copy_local_raw(step, o, &f, &[], &Vec::<DurableFile>::new(), cancel)?;
                 self.count_read(o.stored_bytes);
             }
         }
@@ -495,7 +545,7 @@ impl Store {
         })
     }
 
-    /// Streams raw object `o` from its open file `f` into the output `files` as `ops` say:
+    /// Streams raw object `o` from its open file `f` into the outputs `out` as `ops` say:
     /// [`STREAM_BLOCK_BYTES`] at a time, each block read, added to the checksum and written out
     /// while it is still in the core's cache, so the bytes are touched once and memory holds
     /// one block. The whole object is read (the checksum covers all of it) even when `ops`
@@ -508,7 +558,7 @@ impl Store {
         o: &ObjectEntry,
         f: &std::fs::File,
         ops: &[CopyOp],
-        files: &[DurableFile],
+        out: &dyn Output,
         cancel: &CancellationToken,
     ) -> Result<()> {
         let block_bytes = usize::try_from(o.stored_bytes)
@@ -528,7 +578,7 @@ impl Store {
             let block = &mut buf[..n as usize];
             self.read_local_at(step, o, f, block, pos)?;
             crcs.push(block);
-            write_block(ops, files, pos, block)?;
+            write_block(ops, out, pos, block)?;
             pos += n;
         }
         let (crc, blocks) = crcs.finish();
@@ -650,15 +700,16 @@ mod tests {
             len: o.stored_bytes,
             out_offset: 0,
         }];
+        let outs = vec![out];
         let err = store
-            .copy_local_raw(4, o, &f, &ops, std::slice::from_ref(&out), &cancel)
+            .copy_local_raw(4, o, &f, &ops, &outs, &cancel)
             .unwrap_err();
         assert!(
             matches!(&err, Error::Corrupt { step: 4, reason, .. }
                 if reason.contains(&format!("truncated or extended: {cut} bytes"))),
             "{err}"
         );
-        drop(out);
+        drop(outs);
         assert_eq!(std::fs::read_dir(out_dir.path()).unwrap().count(), 0);
     }
 }

@@ -708,3 +708,139 @@ async fn restore_command_writes_what_store_restore_writes_points_at_chunks_witho
         "{err}"
     );
 }
+
+/// `restore --events --into-parent`, with this test process as the parent that reads: it
+/// answers the header with the address of a buffer of its own, and the restore fills it with
+/// the state's data, bitwise what `Store::restore` writes into a file, and writes no state
+/// file. A parent that answers `null` gets the file; an answer for another step, or none at
+/// all, fails the restore, naming the targets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restore_into_parent_writes_into_the_memory_the_parent_names() {
+    use std::io::BufRead;
+
+    let (_bucket, url) = new_bucket();
+    let (sharded, replicated) = common::global_state();
+    // Compressed chunks: a restore that cannot point at them writes them out.
+    common::save_rows(
+        &Store::open(&url).unwrap(),
+        4,
+        2,
+        &sharded,
+        &replicated,
+        &common::small_chunks(),
+    )
+    .await;
+    let out = tempfile::tempdir().unwrap();
+    let lib = out.path().join("lib");
+    Store::open(&url)
+        .unwrap()
+        .restore(None, 1, 3, &lib, &ReadOptions::default(), &cancel())
+        .await
+        .unwrap();
+    let want = std::fs::read(lib.join(RESTORE_FILE)).unwrap();
+
+    // How the parent answers the header: with its buffer, with null, or for another step.
+    enum Answer {
+        Buffer,
+        File,
+        OtherStep,
+        Nothing,
+    }
+    let restore = |dir: &str, answer: Answer| {
+        let mut child = Command::new(BIN)
+            .args(["--json", "restore", &url])
+            .arg(out.path().join(dir))
+            .args([
+                "--rank",
+                "1",
+                "--world-size",
+                "3",
+                "--events",
+                "--into-parent",
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take();
+        let mut buf: Vec<u8> = Vec::new();
+        let mut data_start = 0;
+        let mut lines = Vec::new();
+        for line in std::io::BufReader::new(child.stdout.take().unwrap()).lines() {
+            let line = line.unwrap();
+            let ev: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+            if ev["event"] == "header" {
+                assert_eq!(ev["targets"], true, "{line}");
+                let h = ev["header"].as_str().unwrap();
+                data_start = 8 + h.len() as u64;
+                let total = ev["bytes"].as_u64().unwrap();
+                buf = vec![0; (total - data_start) as usize];
+                let targets = match answer {
+                    Answer::Buffer | Answer::OtherStep => {
+                        serde_json::json!([[data_start, buf.len(), buf.as_mut_ptr() as u64]])
+                    }
+                    Answer::File => serde_json::Value::Null,
+                    Answer::Nothing => {
+                        stdin.take();
+                        continue;
+                    }
+                };
+                let step = if matches!(answer, Answer::OtherStep) {
+                    3
+                } else {
+                    4
+                };
+                let reply =
+                    serde_json::json!({"step": step, "name": RESTORE_FILE, "targets": targets});
+                let input = stdin.as_mut().unwrap();
+                writeln!(input, "{reply}").unwrap();
+                input.flush().unwrap();
+            }
+            lines.push(line);
+        }
+        let status = child.wait().unwrap();
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        (status.success(), lines, buf, data_start as usize, err)
+    };
+
+    let (ok_, lines, buf, start, err) = restore("into", Answer::Buffer);
+    assert!(ok_, "{err}");
+    assert!(
+        buf == want[start..],
+        "the parent's buffer differs from the file a restore writes"
+    );
+    assert!(!out.path().join("into").join(RESTORE_FILE).exists());
+    assert!(lines.iter().any(|l| l.contains(r#""event":"ready""#)));
+    assert!(!lines.iter().any(|l| l.contains(r#""event":"file""#)));
+
+    let (ok_, lines, buf, _, err) = restore("file", Answer::File);
+    assert!(ok_, "{err}");
+    assert!(buf.iter().all(|&b| b == 0));
+    assert!(lines.iter().any(|l| l.contains(r#""event":"file""#)));
+    assert!(std::fs::read(out.path().join("file").join(RESTORE_FILE)).unwrap() == want);
+
+    for (dir, answer, says) in [
+        ("other", Answer::OtherStep, "not of step 4"),
+        (
+            "nothing",
+            Answer::Nothing,
+            "its input ended before it answered",
+        ),
+    ] {
+        let (ok_, _, buf, _, err) = restore(dir, answer);
+        assert!(!ok_);
+        assert!(
+            err.contains("targets for state.safetensors") && err.contains(says),
+            "{err}"
+        );
+        assert!(buf.iter().all(|&b| b == 0), "{dir}: written into after all");
+        assert!(!out.path().join(dir).join(RESTORE_FILE).exists());
+    }
+}

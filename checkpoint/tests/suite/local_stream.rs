@@ -387,8 +387,10 @@ async fn restore_without_copies(
                     name,
                     bytes,
                     header,
+                    targets,
                 } => {
                     assert_eq!(name, RESTORE_FILE);
+                    assert!(!targets, "no targets are asked for without into_process");
                     let mut f = (header.len() as u64).to_le_bytes().to_vec();
                     f.extend_from_slice(header.as_bytes());
                     let given = vec![1; f.len()];

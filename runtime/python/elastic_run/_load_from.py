@@ -35,6 +35,10 @@ _STDERR_SHOWN_BYTES_MAX = 4000
 # Hugging Face's file names for one exported entry.
 _HF_SINGLE = "model.safetensors"
 _HF_INDEX = "model.safetensors.index.json"
+# Whether a restore from a URL writes the tensors' bytes straight into this process's memory
+# (``elastic-ckpt restore --into-parent``) when it does not read them in place. False: through
+# a file under work_dir, as where the system denies it.
+_INTO_PROCESS = True
 _URL_SCHEMES = ("file", "s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "adl", "memory", "http", "https")
 
 
@@ -63,7 +67,11 @@ def load_from(source, state, step=None, *, strict=True, work_dir=None):
     :class:`StateError` then, and ``state`` may hold part of the newer step.) From a
     ``file://`` URL whose chunks are raw, nothing is written under ``work_dir``: the restore
     checks each chunk where it lies (``--no-copy``), and its bytes are read from there; a chunk
-    replaced since its check raises :class:`FormatError`.
+    replaced since its check raises :class:`FormatError`. From any other URL, when every
+    tensor is read into CPU memory, nothing is written there either: the restore writes each
+    range of bytes, once its block is checked, straight into the tensors (``--into-parent``),
+    so each byte is copied once on its way from the store; where the system does not let a
+    process write into its parent's memory, it writes the file.
 
     Inside a torchrun or elastic-run job (``RANK``/``WORLD_SIZE`` set) each rank reads what its
     rank of that world holds: its rows of sharded (FSDP2) state. Outside one, rank 0 of 1: every
@@ -133,13 +141,14 @@ def _from_store(url, state, step, strict, work_dir):
     try:
         dest = os.path.join(tmp, "restored")
         cmd = [_ckpt_exe(), "restore", url, dest, "--rank", str(rank()), "--world-size", str(world_size()),
-               "--events", "--no-sync", "--no-copy"]
+               "--events", "--no-sync", "--no-copy"] + (["--into-parent"] if _INTO_PROCESS else [])
         if step is not None:
             cmd += ["--step", str(step)]
         load = _Overlapped(url, dest, state, strict)
         timed_out = threading.Event()
         with open(os.path.join(tmp, "stderr"), "w+b") as err:
-            p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err)
+            p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
+            load.answer_to = p.stdin
 
             def give_up():
                 timed_out.set()
@@ -148,11 +157,12 @@ def _from_store(url, state, step, strict, work_dir):
             timer = threading.Timer(RESTORE_TIMEOUT_S, give_up)
             timer.start()
             try:
-                with p.stdout:
+                with p.stdout, p.stdin:
                     for line in p.stdout:
                         load.event(line)
                 rc = p.wait()
             except BaseException:
+                # Dead before anything is freed: it may be writing into this process's tensors.
                 p.kill()
                 p.wait()
                 load.abandon()
@@ -192,6 +202,8 @@ class _Overlapped:
         self.release_fd = None
         self.shards = None
         self.gone = False  # the step being read failed before its file could be opened
+        self.answer_to = None  # the restore's stdin, where the targets of a header go
+        self.in_memory = False  # the step's bytes are written into the state's tensors
 
     def event(self, line):
         if not line.startswith(b"{"):
@@ -216,6 +228,8 @@ class _Overlapped:
             raise FormatError(f"elastic-ckpt restore {self.url}: a {kind} event of step {step} outside it")
         elif kind == "file":
             self._begin(ev, where)
+        elif kind == "header" and ev.get("targets") is True:
+            self._begin_in_memory(ev, where)
         elif kind == "header":
             self._begin_sourced(ev, where)
         elif not self.gone:
@@ -252,6 +266,35 @@ class _Overlapped:
         if self.file.size != size:
             raise FormatError(f"{self.file.path}: {self.file.size} bytes, the restore says {size}")
         self._plan(where)
+
+    def _begin_in_memory(self, ev, where):
+        """A step the restore can write into this process's memory (``--into-parent``): its
+        header comes in the event, and this answers on the restore's stdin with where each
+        tensor's bytes go (the state's own tensors, once the header is checked against the
+        state), or with none: a tensor read into device memory, or writes into memory not
+        wanted. A file event follows then, as without ``--into-parent``."""
+        name, size, header = ev.get("name"), ev.get("bytes"), ev.get("header")
+        if self.reader is not None or self.gone or name != _RESTORED or not isinstance(header, str) \
+                or not _is_int(size) or self.answer_to is None:
+            raise FormatError(f"{where}: unexpected header event {_describe(ev)}")
+        try:
+            header = header.encode()
+        except UnicodeEncodeError as e:
+            raise FormatError(f"{where}: the restore's header is not UTF-8 ({e.reason} at {e.start})") from None
+        self.file = _read.HeaderFile(os.path.join(self.dest, name), header, size)
+        self._plan(where)
+        targets = self.reader.in_place() if _INTO_PROCESS else None
+        if targets is None:
+            self.reader.abandon()
+            self.reader = None
+            self._close()
+        self.in_memory = targets is not None
+        line = json.dumps({"step": self.meta[0], "name": name, "targets": targets}, separators=(",", ":"))
+        try:
+            self.answer_to.write(line.encode() + b"\n")
+            self.answer_to.flush()
+        except BrokenPipeError:
+            pass  # the restore ended: its exit status and error output say why
 
     def _begin_sourced(self, ev, where):
         """A step restored without copies (``--no-copy``: raw chunks of a local directory):
@@ -338,6 +381,7 @@ class _Overlapped:
         self._close()
         self.meta = None
         self.gone = False
+        self.in_memory = False
 
     def _close(self):
         if self.file is not None:

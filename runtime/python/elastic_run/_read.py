@@ -285,7 +285,24 @@ class TensorFile:
         self._readinto(mv, self.data_start + e.start)
 
 
-class SourcedFile(TensorFile):
+class HeaderFile(TensorFile):
+    """A safetensors file that was never written: its header as given (checked as a file's
+    is), and no bytes to read. ``elastic-ckpt restore --into-parent`` writes its tensors'
+    bytes into this process's memory instead (:meth:`RangedRead.in_place`)."""
+
+    def __init__(self, path, header, size):
+        self.path, self.size, self._map, self.fd = path, size, None, -1
+        if size < 8 + len(header):
+            raise self._bad(f"a header of {len(header)} bytes in a file of {size}")
+        if len(header) > HEADER_BYTES_MAX:
+            raise self._bad(f"a header of {len(header)} bytes, over the limit of {HEADER_BYTES_MAX}")
+        self.entries, self.metadata, self.data_start = self._parse_header(header)
+
+    def _readinto(self, mv, offset):
+        raise FormatError(f"{self.path}: byte {offset} was read, but the restore writes this state into memory")
+
+
+class SourcedFile(HeaderFile):
     """A safetensors file that was never written (``elastic-ckpt restore --no-copy``): its
     header as given, and its data in other files, the chunks of a local store that the
     restore checked. :meth:`add` says where a range of it lies; a read opens that file again
@@ -296,12 +313,7 @@ class SourcedFile(TensorFile):
     :class:`TensorFile`'s, from any thread."""
 
     def __init__(self, path, header, size):
-        self.path, self.size, self._map, self.fd = path, size, None, -1
-        if size < 8 + len(header):
-            raise self._bad(f"a header of {len(header)} bytes in a file of {size}")
-        if len(header) > HEADER_BYTES_MAX:
-            raise self._bad(f"a header of {len(header)} bytes, over the limit of {HEADER_BYTES_MAX}")
-        self.entries, self.metadata, self.data_start = self._parse_header(header)
+        super().__init__(path, header, size)
         # (start, end, source path, offset there, (dev, ino, length, ctime_ns)), sorted by
         # start, never overlapping. Replaced whole by add(), never changed in place: a read
         # on another thread works on the list it took.
@@ -402,6 +414,19 @@ class RangedRead:
         self._pool = ThreadPoolExecutor(min(_OVERLAP_THREADS, os.cpu_count() or 1),
                                         thread_name_prefix="elastic-run-read")
         self._pending = []
+        self._in_place = False
+
+    def in_place(self):
+        """Where in this process's memory each tensor's bytes go, for a writer that puts them
+        there itself (``elastic-ckpt restore --into-parent``): ``[offset in the file, length,
+        address]`` for every tensor, in file order; :meth:`ready` then only counts the
+        ranges, and reads nothing. None (and nothing changes) when a tensor is read into
+        device memory, which only a read from a file does. The tensors (the state's own, or
+        new ones in :attr:`out`) must not be freed before the writer ends."""
+        if self._device:
+            return None
+        self._in_place = True
+        return [[start, e.nbytes, dest.data_ptr()] for start, e, dest in self._jobs]
 
     def ready(self, ranges):
         """Reads ``ranges`` (``[offset, length]`` pairs of the file) into the tensors that
@@ -428,6 +453,8 @@ class RangedRead:
                     if dest is not None:
                         mine.append((dest, a - start, a, b - a))
                 i += 1
+            if self._in_place:
+                continue  # written where it belongs by the restore
             pieces += mine
             # What is read here may be given back: the whole range, unless part of it waits
             # for finish() (a device tensor's bytes).

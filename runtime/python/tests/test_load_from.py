@@ -142,9 +142,11 @@ class LoadFrom(tc.TorchEnv):
         self.assertEqual(leftovers, [])
 
     def test_the_restored_files_pages_are_given_back_as_they_are_read(self):
-        from elastic_run import _read
+        from elastic_run import _load_from, _read
 
-        # Compressed chunks: the restore writes the state file.
+        # Compressed chunks, with writes into this process's memory off: the restore writes the
+        # state file.
+        self.enterContext(mock.patch.object(_load_from, "_INTO_PROCESS", False))
         saved, _, url = self.commit(big=600_000, compress=True)
         held = []
         finish = _read.RangedRead.finish
@@ -166,6 +168,45 @@ class LoadFrom(tc.TorchEnv):
         # What stays is the header's page and the pages that two chunks' ranges share.
         self.assertLess(allocated, size // 8, f"{allocated} of {size} bytes still held once everything was read")
         self.assertEqual([n for n in os.listdir(self.tmp.name) if n.startswith("elastic_run-load_from-")], [])
+
+    def test_a_restore_that_cannot_be_read_in_place_writes_into_the_states_tensors(self):
+        from elastic_run import _read
+
+        # Compressed chunks: the restore decodes them and writes each checked block straight
+        # into the tensors, the state's own ones included.
+        saved, _, url = self.commit(big=600_000, compress=True)
+        seen = []
+        finish = _read.RangedRead.finish
+
+        def spy(self_):
+            d = os.path.dirname(self_.f.path)
+            seen.append((type(self_.f), self_.f.fd, sorted(os.listdir(d)), self_.out))
+            return finish(self_)
+
+        fresh = self.state(7)
+        params = [p.data_ptr() for p in fresh["model"].parameters()]
+        with mock.patch.object(_read.RangedRead, "finish", spy):
+            self.assertEqual(er.load_from(url, fresh, work_dir=self.tmp.name), 5)
+        self.assert_same(saved, fresh)
+        self.assertTrue(self.torch.equal(fresh["progress"]["big"], saved["progress"]["big"]))
+        [(kind, fd, written, out)] = seen
+        # No file to read: only the metadata was written.
+        self.assertEqual((kind, fd, written), (_read.HeaderFile, -1, ["metadata.json"]))
+        self.assertEqual([p.data_ptr() for p in fresh["model"].parameters()], params)
+        self.assertTrue(any(t.data_ptr() == params[0] for t in out.values()))
+
+        # A reader that wants the file (here: as if a tensor were read into device memory)
+        # answers with no targets, and gets the file, read as without writes into memory.
+        seen.clear()
+        with mock.patch.object(_read.RangedRead, "finish", spy), \
+                mock.patch.object(_read.RangedRead, "in_place", lambda self_: None):
+            fresh = self.state(8)
+            self.assertEqual(er.load_from(url, fresh, work_dir=self.tmp.name), 5)
+        self.assert_same(saved, fresh)
+        [(kind, fd, written, _)] = seen
+        self.assertEqual(kind, _read.TensorFile)
+        self.assertGreaterEqual(fd, 0)
+        self.assertEqual(len(written), 2, written)  # the metadata, and the state file being written
 
     def test_raw_chunks_of_a_local_bucket_are_read_where_they_lie(self):
         from elastic_run import _read
@@ -220,15 +261,19 @@ class LoadFrom(tc.TorchEnv):
                 self.assertTrue(replaced[0].startswith(bucket + "/"), replaced)
 
     def test_a_newest_step_that_breaks_midway_is_dropped_for_the_older_one_whole(self):
-        # Raw chunks, read where they lie, and compressed ones, written out.
-        for compress in (False, True):
-            with self.subTest(compress=compress):
-                self.newest_breaks_midway(compress)
+        from elastic_run import _load_from
 
-    def newest_breaks_midway(self, compress):
+        # Raw chunks, read where they lie, and compressed ones, written into the tensors or
+        # into a file.
+        for compress, into in ((False, True), (True, True), (True, False)):
+            with self.subTest(compress=compress, into=into), \
+                    mock.patch.object(_load_from, "_INTO_PROCESS", into):
+                self.newest_breaks_midway(compress, into)
+
+    def newest_breaks_midway(self, compress, into):
         from elastic_run import _read
 
-        bucket = f"bucket-{compress}"
+        bucket = f"bucket-{compress}-{into}"
         older, _, url = self.commit(step=4, seed=1, big=4_000_000, compress=compress, bucket=bucket)
         newer, _, _ = self.commit(step=5, seed=2, big=4_000_000, compress=compress, bucket=bucket)
         shown = json.loads(self.ckpt("--json", "show", url, "--step", "5").stdout)
@@ -246,6 +291,7 @@ class LoadFrom(tc.TorchEnv):
         for name in ("ready", "abandon"):
             def spy(self_, *a, _f=getattr(_read.RangedRead, name), _n=name):
                 self.assertEqual(isinstance(self_.f, _read.SourcedFile), not compress)
+                self.assertEqual(isinstance(self_.f, _read.HeaderFile), not compress or into)
                 calls.append((_n, self_.f.metadata["elastic.step"]))
                 return _f(self_, *a)
             p = mock.patch.object(_read.RangedRead, name, spy)
