@@ -203,7 +203,6 @@ class _Overlapped:
         self.shards = None
         self.gone = False  # the step being read failed before its file could be opened
         self.answer_to = None  # the restore's stdin, where the targets of a header go
-        self.in_memory = False  # the step's bytes are written into the state's tensors
 
     def event(self, line):
         if not line.startswith(b"{"):
@@ -228,10 +227,8 @@ class _Overlapped:
             raise FormatError(f"elastic-ckpt restore {self.url}: a {kind} event of step {step} outside it")
         elif kind == "file":
             self._begin(ev, where)
-        elif kind == "header" and ev.get("targets") is True:
-            self._begin_in_memory(ev, where)
         elif kind == "header":
-            self._begin_sourced(ev, where)
+            self._begin_header(ev, where)
         elif not self.gone:
             if self.reader is None or ev.get("name") != _RESTORED:
                 raise FormatError(f"{where}: bytes of {_describe(ev.get('name'))} ready, which is not being read")
@@ -267,49 +264,40 @@ class _Overlapped:
             raise FormatError(f"{self.file.path}: {self.file.size} bytes, the restore says {size}")
         self._plan(where)
 
-    def _begin_in_memory(self, ev, where):
-        """A step the restore can write into this process's memory (``--into-parent``): its
-        header comes in the event, and this answers on the restore's stdin with where each
-        tensor's bytes go (the state's own tensors, once the header is checked against the
-        state), or with none: a tensor read into device memory, or writes into memory not
-        wanted. A file event follows then, as without ``--into-parent``."""
+    def _begin_header(self, ev, where):
+        """A step whose state file the restore does not write: its header comes in the event.
+        Restored without copies (``--no-copy``: raw chunks of a local directory), its bytes are
+        read from the store's chunks as the restore names each one checked. With
+        ``"targets": true`` (``--into-parent``) the restore writes them into this process's
+        memory: this answers on the restore's stdin with where each tensor's bytes go (the
+        state's own tensors, once the header is checked against the state), or with none (a
+        tensor read into device memory, or writes into memory not wanted), and then a file
+        event follows, as without ``--into-parent``."""
         name, size, header = ev.get("name"), ev.get("bytes"), ev.get("header")
+        in_memory = ev.get("targets") is True
         if self.reader is not None or self.gone or name != _RESTORED or not isinstance(header, str) \
-                or not _is_int(size) or self.answer_to is None:
+                or not _is_int(size) or (in_memory and self.answer_to is None):
             raise FormatError(f"{where}: unexpected header event {_describe(ev)}")
         try:
             header = header.encode()
         except UnicodeEncodeError as e:
             raise FormatError(f"{where}: the restore's header is not UTF-8 ({e.reason} at {e.start})") from None
-        self.file = _read.HeaderFile(os.path.join(self.dest, name), header, size)
+        path = os.path.join(self.dest, name)
+        self.file = _read.HeaderFile(path, header, size) if in_memory else _read.SourcedFile(path, header, size)
         self._plan(where)
+        if not in_memory:
+            return
         targets = self.reader.in_place() if _INTO_PROCESS else None
         if targets is None:
             self.reader.abandon()
             self.reader = None
             self._close()
-        self.in_memory = targets is not None
         line = json.dumps({"step": self.meta[0], "name": name, "targets": targets}, separators=(",", ":"))
         try:
             self.answer_to.write(line.encode() + b"\n")
             self.answer_to.flush()
         except BrokenPipeError:
             pass  # the restore ended: its exit status and error output say why
-
-    def _begin_sourced(self, ev, where):
-        """A step restored without copies (``--no-copy``: raw chunks of a local directory):
-        its header comes in the event, and its bytes are read from the store's chunks as the
-        restore names each one checked."""
-        name, size, header = ev.get("name"), ev.get("bytes"), ev.get("header")
-        if self.reader is not None or self.gone or name != _RESTORED or not isinstance(header, str) \
-                or not _is_int(size):
-            raise FormatError(f"{where}: unexpected header event {_describe(ev)}")
-        try:
-            header = header.encode()
-        except UnicodeEncodeError as e:
-            raise FormatError(f"{where}: the restore's header is not UTF-8 ({e.reason} at {e.start})") from None
-        self.file = _read.SourcedFile(os.path.join(self.dest, name), header, size)
-        self._plan(where)
 
     def _plan(self, where):
         """Checks the step's file against its metadata and the state, and starts its reads."""
@@ -381,7 +369,6 @@ class _Overlapped:
         self._close()
         self.meta = None
         self.gone = False
-        self.in_memory = False
 
     def _close(self):
         if self.file is not None:

@@ -519,6 +519,67 @@ class RestoreEvents(tc.TorchEnv):
                 self.feed(load, self.step(5), header, source(chunk))
             load.abandon()
 
+    def test_a_header_that_asks_for_targets_is_answered_with_the_tensors_addresses(self):
+        import ctypes
+        import io
+        import struct
+
+        from safetensors.torch import save_file
+
+        from elastic_run import _load_from
+
+        t = self.torch.arange(10, dtype=self.torch.float32)
+        written = os.path.join(self.tmp.name, "w.safetensors")
+        save_file({"model/w": t}, written, metadata={"elastic.step": "5"})
+        with open(written, "rb") as f:
+            raw = f.read()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = {"event": "header", "step": 5, "name": "state.safetensors", "bytes": len(raw),
+                  "header": raw[8:8 + n].decode(), "targets": True}
+        ready = {"event": "ready", "step": 5, "name": "state.safetensors", "ranges": [[8 + n, 40]]}
+
+        def begin():
+            load = _load_from._Overlapped("s3://b/j", self.dest, {}, True)
+            load.answer_to = io.BytesIO()
+            self.feed(load, self.step(5), header)
+            answer = json.loads(load.answer_to.getvalue())
+            return load, answer
+
+        # The answer names the step, the file and where its one tensor's 40 bytes go; once
+        # the restore has written them there (here, by hand) and said so, they load.
+        load, answer = begin()
+        [[offset, length, addr]] = answer.pop("targets")
+        self.assertEqual((answer, offset, length), ({"step": 5, "name": "state.safetensors"}, 8 + n, 40))
+        ctypes.memmove(addr, raw[8 + n:], 40)
+        self.feed(load, ready)
+        step, tensors, _, _ = load.finish()
+        self.assertEqual(step, 5)
+        self.assertTrue(self.torch.equal(tensors["model/w"], t))
+        self.assertEqual(tensors["model/w"].data_ptr(), addr)
+        # Bytes never said to be there, a source event, or a header asking for an answer where
+        # none can go, are refused.
+        load, _ = begin()
+        with self.assertRaisesRegex(er.FormatError, "0 of the 40 bytes"):
+            load.finish()
+        load, _ = begin()
+        with self.assertRaisesRegex(er.FormatError, "a source event for a state file that is not read"):
+            self.feed(load, {"event": "source", "step": 5, "name": "state.safetensors", "path": "/x", "bytes": 1,
+                             "dev": 1, "ino": 1, "ctime_ns": 1, "ranges": [[8 + n, 1, 0]]})
+        load.abandon()
+        load = _load_from._Overlapped("s3://b/j", self.dest, {}, True)
+        with self.assertRaisesRegex(er.FormatError, "unexpected header event"):
+            self.feed(load, self.step(5), header)
+        # With writes into memory off, the answer is none, and the file event that follows is
+        # read as usual.
+        with mock.patch.object(_load_from, "_INTO_PROCESS", False):
+            load, answer = begin()
+        self.assertEqual(answer, {"step": 5, "name": "state.safetensors", "targets": None})
+        path = os.path.join(self.dest, ".state.safetensors.tmp-5")
+        save_file({"model/w": t}, path, metadata={"elastic.step": "5"})
+        self.feed(load, self.file(5, path, len(raw)), ready)
+        _, tensors, _, _ = load.finish()
+        self.assertTrue(self.torch.equal(tensors["model/w"], t))
+
 
 if __name__ == "__main__":
     unittest.main()
