@@ -134,10 +134,12 @@ enum Cmd {
         /// With --events, for a step not read with --no-copy: write the state into the memory
         /// of this process's parent (the reader) instead of a file. The header event carries
         /// `"targets": true`, and the reader answers on stdin with one line, `{"step",
-        /// "name", "targets": [[offset, length, address], ...]}`: the addresses in its memory
-        /// that bytes [offset, offset + length) of the state go to (its tensors), or
-        /// `"targets": null` for the file. Ready events then say which ranges are there. Where
-        /// the system denies the writes (ptrace access), the file is written as without it.
+        /// "name", "pid", "targets": [[offset, length, address], ...]}`: its own process id,
+        /// and the addresses in its memory that bytes [offset, offset + length) of the state
+        /// go to (its tensors), or `"targets": null` for the file. Ready events then say
+        /// which ranges are there. Where the reader is not the parent, or the system denies
+        /// the writes (ptrace access), the file is written as without it. The restore is
+        /// killed when the thread that started it exits.
         #[arg(long, requires = "events")]
         into_parent: bool,
         /// Skip the fsyncs of the state file: for a restore that is read once and removed
@@ -198,6 +200,12 @@ enum Cmd {
         step: Option<u64>,
     },
 }
+
+/// The longest `restore --into-parent` waits for the reader's answer to a header (it answers
+/// once it has checked the header against its state: milliseconds).
+const TARGETS_ANSWER_TIMEOUT_MS: u64 = 60_000;
+/// How often a restore waiting for that answer looks whether it was cancelled.
+const TARGETS_POLL_MS: u64 = 100;
 
 fn main() -> ExitCode {
     checkpoint::alloc::release_freed_buffers_eagerly();
@@ -377,30 +385,63 @@ async fn newest_committed(
 }
 
 /// The reader's answers on stdin for `restore --into-parent`: a line each, at most
-/// [`checkpoint::restore::TARGETS_LINE_BYTES_MAX`] bytes.
-fn reader_targets() -> checkpoint::restore::IntoProcess {
+/// [`checkpoint::restore::TARGETS_LINE_BYTES_MAX`] bytes, each within
+/// [`TARGETS_ANSWER_TIMEOUT_MS`] of its question. Read on a thread of its own, so that a
+/// reader that never answers holds up neither a cancelled restore nor the process's exit.
+fn reader_targets(cancel: &CancellationToken) -> checkpoint::restore::IntoProcess {
     use std::io::{BufRead, Read};
-    let stdin = std::sync::Mutex::new(std::io::BufReader::new(std::io::stdin()));
-    checkpoint::restore::IntoProcess::parent(std::sync::Arc::new(move |step, name: &str| {
-        let mut line = String::new();
-        let mut input = stdin.lock().unwrap_or_else(|e| e.into_inner());
-        let n = (&mut *input)
-            .take(checkpoint::restore::TARGETS_LINE_BYTES_MAX)
-            .read_line(&mut line)
-            .map_err(|e| {
-                checkpoint::Error::InvalidInput(format!("reading the targets for {name}: {e}"))
-            })?;
-        if n == 0 || !line.ends_with('\n') {
-            return Err(checkpoint::Error::InvalidInput(format!(
-                "the reader's targets for {name}: {}",
-                if n == 0 {
-                    "its input ended before it answered".to_string()
-                } else {
-                    format!("no end of line within {n} bytes")
-                }
-            )));
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Result<String, String>>(1);
+    std::thread::spawn(move || {
+        let mut input = std::io::BufReader::new(std::io::stdin());
+        loop {
+            let mut line = String::new();
+            let got = (&mut input)
+                .take(checkpoint::restore::TARGETS_LINE_BYTES_MAX)
+                .read_line(&mut line);
+            let last = !matches!(&got, Ok(n) if *n > 0 && line.ends_with('\n'));
+            let sent = match got {
+                Ok(0) => Err("its input ended before it answered".to_string()),
+                Ok(n) if !line.ends_with('\n') => Err(format!("no end of line within {n} bytes")),
+                Ok(_) => Ok(line),
+                Err(e) => Err(e.to_string()),
+            };
+            if tx.send(sent).is_err() || last {
+                return;
+            }
         }
-        checkpoint::restore::parse_targets(&line, step, name)
+    });
+    let rx = std::sync::Mutex::new(rx);
+    let cancel = cancel.clone();
+    checkpoint::restore::IntoProcess::parent(std::sync::Arc::new(move |step, name: &str| {
+        let bad = |why: String| {
+            checkpoint::Error::InvalidInput(format!("the reader's targets for {name}: {why}"))
+        };
+        let rx = rx.lock().unwrap_or_else(|e| e.into_inner());
+        let asked = std::time::Instant::now();
+        loop {
+            match rx.recv_timeout(std::time::Duration::from_millis(TARGETS_POLL_MS)) {
+                Ok(Ok(line)) => return checkpoint::restore::parse_targets(&line, step, name),
+                Ok(Err(why)) => return Err(bad(why)),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(bad("its input ended before it answered".into()));
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if cancel.is_cancelled() => {
+                    return Err(checkpoint::Error::Cancelled {
+                        op: format!("waiting for the reader's targets for {name}"),
+                    });
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    if asked.elapsed()
+                        >= std::time::Duration::from_millis(TARGETS_ANSWER_TIMEOUT_MS)
+                    {
+                        return Err(checkpoint::Error::Timeout {
+                            op: format!("waiting for the reader's targets for {name}"),
+                            deadline_ms: TARGETS_ANSWER_TIMEOUT_MS,
+                        });
+                    }
+                }
+            }
+        }
     }))
 }
 
@@ -633,7 +674,7 @@ async fn run(cli: Cli) -> Result<()> {
                 }),
                 sync: !no_sync,
                 no_copy,
-                into_process: into_parent.then(reader_targets),
+                into_process: into_parent.then(|| reader_targets(&cancel)),
             };
             let report = store
                 .restore(step, rank, world_size, &dir, &opts, &cancel)

@@ -7,9 +7,15 @@
 //! file (whose new pages the kernel allocates and zeroes) and read again by the reader.
 //!
 //! Only the reader's parent-child bond makes this safe to use: a restore writes only into the
-//! process that started it, only into the ranges that process named, and stops as soon as
-//! it has another parent (the reader is gone). The reader holds the named memory until the
-//! restore has exited.
+//! process that started it, once that process has named itself (its pid in the answer: a
+//! wrapper in between gets the file instead), only into the ranges it named, and it is
+//! killed when its parent exits (and checks that it has the same parent before each write).
+//! The reader holds the named memory until the restore has exited.
+//!
+//! Bytes go into the reader's memory as they are decoded; a chunk is checked once all of it
+//! is there (a block of a ranged read, before it is written). So only a read that ends
+//! without error has delivered the step: after a failed one, the named memory may hold bytes
+//! that failed their check.
 
 use std::sync::Arc;
 
@@ -42,10 +48,17 @@ impl From<[u64; 3]> for Target {
     }
 }
 
+/// A reader's answer for one output: its process id, and where the output's bytes go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReaderTargets {
+    pub pid: i32,
+    pub ranges: Vec<Target>,
+}
+
 /// Asked once for each output of a step, after its [`super::ReadEvent::Header`]: the
 /// targets of the output named (`step`, `name`), or None when the reader wants the output
 /// written as a file instead.
-pub type Targets = Arc<dyn Fn(u64, &str) -> Result<Option<Vec<Target>>> + Send + Sync>;
+pub type Targets = Arc<dyn Fn(u64, &str) -> Result<Option<ReaderTargets>> + Send + Sync>;
 
 /// Which process a restore writes into, and how it learns where.
 #[derive(Clone)]
@@ -57,8 +70,15 @@ pub struct IntoProcess {
 }
 
 impl IntoProcess {
-    /// Into this process's parent, which is asked for the targets through `targets`.
+    /// Into this process's parent, which is asked for the targets through `targets`. From
+    /// here on, this process is killed when its parent exits (strictly: the parent's thread
+    /// that started it), so that nothing is written into a process that took the parent's
+    /// pid.
     pub fn parent(targets: Targets) -> Self {
+        // SAFETY: prctl with PR_SET_PDEATHSIG and a signal number only sets that signal.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+        // After the prctl: a parent that exited before it is seen here (pid 1, or a
+        // subreaper, which then never names itself).
         // SAFETY: getppid has no preconditions and cannot fail.
         let pid = unsafe { libc::getppid() };
         IntoProcess {
@@ -83,29 +103,38 @@ impl IntoProcess {
     }
 }
 
-/// The reader's answer for output `name` of `step`, one JSON line: `{"step", "name",
-/// "targets": [[offset, length, address], ...]}`, or `"targets": null` to have the output
-/// written as a file. The step and name must be the ones asked about.
-pub fn parse_targets(line: &str, step: u64, name: &str) -> Result<Option<Vec<Target>>> {
+/// The reader's answer for output `name` of `step`, one JSON line: `{"step", "name", "pid",
+/// "targets": [[offset, length, address], ...]}` (`pid`: the reader's own process id), or
+/// `"targets": null` to have the output written as a file. The step and name must be the
+/// ones asked about.
+pub fn parse_targets(line: &str, step: u64, name: &str) -> Result<Option<ReaderTargets>> {
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Answer {
         step: u64,
         name: String,
+        #[serde(default)]
+        pid: Option<i32>,
         targets: Option<Vec<Target>>,
     }
     let bad = |why: String| Error::InvalidInput(format!("the reader's targets for {name}: {why}"));
     let a: Answer = serde_json::from_str(line.trim_end()).map_err(|e| bad(e.to_string()))?;
     if a.step != step || a.name != name {
         return Err(bad(format!(
-            "they are for {} of step {}, not of step {step}",
+            "they are for {} of step {}, not for {name} of step {step}",
             a.name, a.step
         )));
     }
-    if a.targets.as_ref().is_some_and(|t| t.len() > TARGETS_MAX) {
+    let Some(ranges) = a.targets else {
+        return Ok(None);
+    };
+    if ranges.len() > TARGETS_MAX {
         return Err(bad(format!("more than {TARGETS_MAX} ranges")));
     }
-    Ok(a.targets)
+    let pid = a
+        .pid
+        .ok_or_else(|| bad("no pid: the reader names itself".into()))?;
+    Ok(Some(ReaderTargets { pid, ranges }))
 }
 
 /// Where a read writes its output: files, or the reader's memory.
@@ -175,12 +204,14 @@ impl ProcessOut {
         })
     }
 
-    /// Whether this process may write into the reader (the kernel's ptrace access check,
-    /// which a sandbox or `kernel.yama.ptrace_scope` may deny): reads a byte of its first
-    /// target.
-    pub(crate) fn probe(&self) -> std::io::Result<()> {
+    /// Whether this process may write into the reader: reads the first byte of its first
+    /// target and writes it back as it was. `Ok(false)` when the system denies it (the
+    /// kernel's ptrace access check, which `kernel.yama.ptrace_scope` or a missing
+    /// `PR_SET_PTRACER` may fail, or a seccomp filter: EPERM, EACCES, ENOSYS); any other
+    /// failure (an address that is not the reader's memory) is an error.
+    pub(crate) fn probe(&self) -> Result<bool> {
         let Some(t) = self.outs.iter().flatten().next() else {
-            return Ok(());
+            return Ok(true);
         };
         let mut byte = 0u8;
         let local = libc::iovec {
@@ -191,13 +222,28 @@ impl ProcessOut {
             iov_base: t.addr as usize as *mut libc::c_void,
             iov_len: 1,
         };
-        // SAFETY: `local` is one byte of this frame's memory; the remote side is another
-        // process's, which the kernel checks.
-        let n = unsafe { libc::process_vm_readv(self.pid, &local, 1, &remote, 1, 0) };
-        if n == 1 {
-            Ok(())
-        } else {
-            Err(std::io::Error::last_os_error())
+        // SAFETY: `local` is one byte of this frame's memory, written by the read and read by
+        // the write; the remote side is another process's, which the kernel checks.
+        let moved = unsafe {
+            libc::process_vm_readv(self.pid, &local, 1, &remote, 1, 0) == 1
+                && libc::process_vm_writev(self.pid, &local, 1, &remote, 1, 0) == 1
+        };
+        if moved {
+            return Ok(true);
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EPERM | libc::EACCES | libc::ENOSYS) => {
+                tracing::warn!(pid = self.pid, error = %e, "not allowed to write into the reader's memory; writing the state to a file instead");
+                Ok(false)
+            }
+            _ => Err(Error::InvalidInput(format!(
+                "the reader (process {}) named address {:#x} for bytes [{}, {}): {e}",
+                self.pid,
+                t.addr,
+                t.offset,
+                t.offset + t.len
+            ))),
         }
     }
 }
@@ -261,9 +307,14 @@ impl Output for ProcessOut {
                 } else {
                     format!("{n} of {want} bytes written")
                 };
+                let (first, last) = (batch[0], batch[batch.len() - 1]);
                 return Err(Error::InvalidInput(format!(
-                    "writing into the reader (process {}): {why}",
-                    self.pid
+                    "writing bytes [{}, {}) of output {out} into the reader (process {}) at {:#x}..{:#x}: {why}",
+                    offset + first.0,
+                    offset + last.0 + last.1,
+                    self.pid,
+                    first.2,
+                    last.2 + last.1
                 )));
             }
         }
@@ -316,16 +367,23 @@ mod tests {
 
     #[test]
     fn an_answer_names_the_step_and_output_asked_about() {
-        let ok = r#"{"step": 7, "name": "state.safetensors", "targets": [[8, 4, 4096]]}"#;
+        let ok = r#"{"step": 7, "name": "state.safetensors", "pid": 9, "targets": [[8, 4, 4096]]}"#;
         assert_eq!(
             parse_targets(ok, 7, "state.safetensors").unwrap(),
-            Some(vec![t(8, 4, 4096)])
+            Some(ReaderTargets {
+                pid: 9,
+                ranges: vec![t(8, 4, 4096)]
+            })
         );
         let none = r#"{"step": 7, "name": "state.safetensors", "targets": null}"#;
         assert_eq!(parse_targets(none, 7, "state.safetensors").unwrap(), None);
         for (line, why) in [
-            (ok.replace("7", "6"), "not of step 7"),
-            (ok.replace("state", "other"), "other.safetensors of step 7"),
+            (ok.replace("7", "6"), "not for state.safetensors of step 7"),
+            (
+                ok.replace("state", "other"),
+                "other.safetensors of step 7, not for state",
+            ),
+            (ok.replace(r#""pid": 9, "#, ""), "no pid"),
             (ok.replace("[[8, 4, 4096]]", "[[8, 4]]"), "expected"),
             (ok.replace("4096", "-1"), "invalid value"),
             (ok.replace("}", r#", "x": 1}"#), "unknown field"),
@@ -382,13 +440,15 @@ mod tests {
         (root, store, data)
     }
 
-    /// Restores step 3 into process `pid`'s memory at `addr`, as a reader that answers with
-    /// the data region of the header it was sent: what the restore reported, and its events.
+    /// Restores step 3 into process `pid`'s memory at `addr`, as a reader (process
+    /// `answer_pid`) that answers with the data region of the header it was sent: what the
+    /// restore reported, and its events.
     async fn restore_into(
         store: &crate::Store,
         pid: i32,
+        answer_pid: i32,
         addr: u64,
-    ) -> (super::super::RestoreReport, Vec<super::super::ReadEvent>) {
+    ) -> Result<(super::super::RestoreReport, Vec<super::super::ReadEvent>)> {
         use super::super::{ReadEvent, ReadOptions};
         use std::sync::Mutex;
 
@@ -413,11 +473,14 @@ mod tests {
                 };
                 assert_eq!((*s, n.as_str()), (step, name));
                 let start = 8 + header.len() as u64;
-                Ok(Some(vec![Target {
-                    offset: start,
-                    len: bytes - start,
-                    addr,
-                }]))
+                Ok(Some(ReaderTargets {
+                    pid: answer_pid,
+                    ranges: vec![Target {
+                        offset: start,
+                        len: bytes - start,
+                        addr,
+                    }],
+                }))
             })
         };
         let opts = ReadOptions {
@@ -429,8 +492,7 @@ mod tests {
         let cancel = tokio_util::sync::CancellationToken::new();
         let report = store
             .restore(None, 0, 1, &dest.path().join("r"), &opts, &cancel)
-            .await
-            .unwrap();
+            .await?;
         let names: Vec<_> = std::fs::read_dir(dest.path().join("r"))
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -447,11 +509,13 @@ mod tests {
         names.sort();
         assert_eq!(names, want);
         let seen = seen.lock().unwrap().clone();
-        (report, seen)
+        Ok((report, seen))
     }
 
     /// Raw and compressed chunks alike: the bytes land in the memory named, checked and whole,
-    /// with no state file; a process the restore may not write into gets the file instead.
+    /// with no state file. A reader that is not the process written into (a wrapper between
+    /// them) gets the file instead; a process that is gone is an error, and nothing is
+    /// written.
     #[tokio::test]
     async fn a_restore_writes_the_state_into_the_memory_named_or_else_a_file() {
         use super::super::ReadEvent;
@@ -460,7 +524,9 @@ mod tests {
             let (_root, store, data) = committed(compress).await;
             let mut buf = vec![0u8; data.len()];
             let me = std::process::id() as i32;
-            let (report, seen) = restore_into(&store, me, buf.as_mut_ptr() as u64).await;
+            let (report, seen) = restore_into(&store, me, me, buf.as_mut_ptr() as u64)
+                .await
+                .unwrap();
             assert!(!report.written, "compress {compress}");
             assert!(buf == data, "compress {compress}: the bytes differ");
             let ready: u64 = seen
@@ -475,12 +541,23 @@ mod tests {
                 .sum();
             assert_eq!(ready, data.len() as u64);
 
-            // No such process: the probe fails, and the file is written (and `buf` untouched).
+            // Another process answers: the file is written, and nothing into its memory.
             let mut other = vec![0u8; data.len()];
-            let (report, seen) = restore_into(&store, i32::MAX, other.as_mut_ptr() as u64).await;
+            let (report, seen) = restore_into(&store, me, me + 1, other.as_mut_ptr() as u64)
+                .await
+                .unwrap();
             assert!(report.written);
             assert!(other.iter().all(|&b| b == 0));
             assert!(seen.iter().any(|e| matches!(e, ReadEvent::File { .. })));
+            // No such process: the probe fails, naming the address.
+            let e = restore_into(&store, i32::MAX, i32::MAX, other.as_mut_ptr() as u64)
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("{:#x}", other.as_ptr() as u64)) && e.contains("process"),
+                "{e}"
+            );
         }
     }
 }

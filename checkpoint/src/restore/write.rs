@@ -149,7 +149,7 @@ impl Store {
             .as_ref()
             .filter(|_| !point && opts.events.is_some());
         let mut files = Vec::with_capacity(outs.len());
-        for o in outs.iter().filter(|_| point || into.is_some()) {
+        let header = |o: &OutFile| {
             if let Some(ev) = &opts.events {
                 ev(&ReadEvent::Header {
                     step: m.step,
@@ -160,10 +160,13 @@ impl Store {
                     targets: into.is_some(),
                 });
             }
-        }
+        };
         let process = match into {
-            Some(into) => ask_targets(m.step, &outs, into).await?,
-            None => None,
+            Some(into) => ask_targets(m.step, &outs, into, header).await?,
+            None => {
+                outs.iter().filter(|_| point).for_each(header);
+                None
+            }
         };
         let to_files = !point && process.is_none();
         for o in outs.iter().filter(|_| to_files) {
@@ -406,24 +409,40 @@ fn source_ranges(ops: &[CopyOp]) -> BTreeMap<usize, Vec<[u64; 3]>> {
     by_out
 }
 
-/// Asks the reader where each of `outs` goes in its memory. None when it answers for one
-/// of them that it wants files, or when this process may not write into it (a sandbox
-/// denies it): the outputs are then written as files. Every output is asked about, so the
-/// reader's answers are all read whatever the outcome.
+/// Sends each of `outs`'s header (`header`) and asks the reader where that output goes in
+/// its memory, one output at a time (so neither side waits on a full pipe). None when it
+/// answers for one of them that it wants files, when the reader that answers is not the
+/// process this one writes into (a wrapper stands between them), or when this process may
+/// not write into it (the system denies it): the outputs are then written as files. Every
+/// output is asked about, so the reader's answers are all read whatever the outcome.
 async fn ask_targets(
     step: u64,
     outs: &[OutFile],
     into: &IntoProcess,
+    header: impl Fn(&OutFile),
 ) -> Result<Option<ProcessOut>> {
     let mut answers = Vec::with_capacity(outs.len());
     let mut all = true;
     for o in outs {
+        header(o);
         let (targets, name) = (into.targets.clone(), o.rel.clone());
         let answer = tokio::task::spawn_blocking(move || targets(step, &name))
             .await
             .map_err(|e| Error::task_failed("read the reader's targets", e))??;
         match answer {
-            Some(t) => answers.push((o.rel.clone(), t, [o.prefix.len() as u64, o.total_bytes])),
+            Some(t) if t.pid == into.pid() => answers.push((
+                o.rel.clone(),
+                t.ranges,
+                [o.prefix.len() as u64, o.total_bytes],
+            )),
+            Some(t) => {
+                tracing::warn!(
+                    reader = t.pid,
+                    parent = into.pid(),
+                    "the reader is not this process's parent (a wrapper between them?); writing the state to a file instead"
+                );
+                all = false;
+            }
             None => all = false,
         }
     }
@@ -431,11 +450,7 @@ async fn ask_targets(
         return Ok(None);
     }
     let p = ProcessOut::new(into, answers)?;
-    if let Err(e) = p.probe() {
-        tracing::warn!(pid = into.pid(), error = %e, "cannot write into the reader's memory; writing the state to a file instead");
-        return Ok(None);
-    }
-    Ok(Some(p))
+    Ok(p.probe()?.then_some(p))
 }
 
 /// Writes what `ops` take of the object bytes `block`, which start at `pos` in the object.

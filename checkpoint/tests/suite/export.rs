@@ -744,6 +744,7 @@ async fn restore_into_parent_writes_into_the_memory_the_parent_names() {
         Buffer,
         File,
         OtherStep,
+        OtherProcess,
         Nothing,
     }
     let restore = |dir: &str, answer: Answer| {
@@ -777,7 +778,7 @@ async fn restore_into_parent_writes_into_the_memory_the_parent_names() {
                 let total = ev["bytes"].as_u64().unwrap();
                 buf = vec![0; (total - data_start) as usize];
                 let targets = match answer {
-                    Answer::Buffer | Answer::OtherStep => {
+                    Answer::Buffer | Answer::OtherStep | Answer::OtherProcess => {
                         serde_json::json!([[data_start, buf.len(), buf.as_mut_ptr() as u64]])
                     }
                     Answer::File => serde_json::Value::Null,
@@ -791,8 +792,8 @@ async fn restore_into_parent_writes_into_the_memory_the_parent_names() {
                 } else {
                     4
                 };
-                let reply =
-                    serde_json::json!({"step": step, "name": RESTORE_FILE, "targets": targets});
+                let pid = std::process::id() + u32::from(matches!(answer, Answer::OtherProcess));
+                let reply = serde_json::json!({"step": step, "name": RESTORE_FILE, "pid": pid, "targets": targets});
                 let input = stdin.as_mut().unwrap();
                 writeln!(input, "{reply}").unwrap();
                 input.flush().unwrap();
@@ -820,14 +821,25 @@ async fn restore_into_parent_writes_into_the_memory_the_parent_names() {
     assert!(lines.iter().any(|l| l.contains(r#""event":"ready""#)));
     assert!(!lines.iter().any(|l| l.contains(r#""event":"file""#)));
 
-    let (ok_, lines, buf, _, err) = restore("file", Answer::File);
-    assert!(ok_, "{err}");
-    assert!(buf.iter().all(|&b| b == 0));
-    assert!(lines.iter().any(|l| l.contains(r#""event":"file""#)));
-    assert!(std::fs::read(out.path().join("file").join(RESTORE_FILE)).unwrap() == want);
+    // Asked for the file, or answered by a process that is not the restore's parent: the
+    // file, and nothing in memory.
+    for (dir, answer) in [("file", Answer::File), ("not-parent", Answer::OtherProcess)] {
+        let (ok_, lines, buf, _, err) = restore(dir, answer);
+        assert!(ok_, "{err}");
+        assert!(buf.iter().all(|&b| b == 0), "{dir}");
+        assert!(
+            lines.iter().any(|l| l.contains(r#""event":"file""#)),
+            "{dir}"
+        );
+        assert!(std::fs::read(out.path().join(dir).join(RESTORE_FILE)).unwrap() == want);
+    }
 
     for (dir, answer, says) in [
-        ("other", Answer::OtherStep, "not of step 4"),
+        (
+            "other",
+            Answer::OtherStep,
+            "not for state.safetensors of step 4",
+        ),
         (
             "nothing",
             Answer::Nothing,

@@ -15,6 +15,7 @@ Every file is checked as :func:`elastic_run.load` checks it, and nothing is load
 whole checkpoint fits the state.
 """
 
+import ctypes
 import json
 import os
 import shutil
@@ -39,6 +40,11 @@ _HF_INDEX = "model.safetensors.index.json"
 # (``elastic-ckpt restore --into-parent``) when it does not read them in place. False: through
 # a file under work_dir, as where the system denies it.
 _INTO_PROCESS = True
+# Held while a restore may write into this process (PR_SET_PTRACER names one process only): a
+# load that finds it taken reads through a file.
+_INTO_PROCESS_LOCK = threading.Lock()
+# prctl(2)'s PR_SET_PTRACER (Yama): which process may access this one's memory.
+_PR_SET_PTRACER = 0x59616D61
 _URL_SCHEMES = ("file", "s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "adl", "memory", "http", "https")
 
 
@@ -69,9 +75,10 @@ def load_from(source, state, step=None, *, strict=True, work_dir=None):
     checks each chunk where it lies (``--no-copy``), and its bytes are read from there; a chunk
     replaced since its check raises :class:`FormatError`. From any other URL, when every
     tensor is read into CPU memory, nothing is written there either: the restore writes each
-    range of bytes, once its block is checked, straight into the tensors (``--into-parent``),
-    so each byte is copied once on its way from the store; where the system does not let a
-    process write into its parent's memory, it writes the file.
+    block straight into the tensors as it decodes it (``--into-parent``), so each byte is
+    copied once on its way from the store, and the step counts once its chunks are checked
+    (a load that raises may leave bytes in the state that failed their check); where the
+    system does not let a process write into its parent's memory, it writes the file.
 
     Inside a torchrun or elastic-run job (``RANK``/``WORLD_SIZE`` set) each rank reads what its
     rank of that world holds: its rows of sharded (FSDP2) state. Outside one, rank 0 of 1: every
@@ -138,17 +145,22 @@ def _ckpt_exe():
 def _from_store(url, state, step, strict, work_dir):
     # A private directory (mkdtemp makes it 0700), removed afterwards whatever happens.
     tmp = tempfile.mkdtemp(prefix="elastic_run-load_from-", dir=work_dir)
+    into = _INTO_PROCESS and _INTO_PROCESS_LOCK.acquire(blocking=False)
     try:
         dest = os.path.join(tmp, "restored")
         cmd = [_ckpt_exe(), "restore", url, dest, "--rank", str(rank()), "--world-size", str(world_size()),
-               "--events", "--no-sync", "--no-copy"] + (["--into-parent"] if _INTO_PROCESS else [])
+               "--events", "--no-sync", "--no-copy"] + (["--into-parent"] if into else [])
         if step is not None:
             cmd += ["--step", str(step)]
         load = _Overlapped(url, dest, state, strict)
         timed_out = threading.Event()
         with open(os.path.join(tmp, "stderr"), "w+b") as err:
             p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
-            load.answer_to = p.stdin
+            if into:
+                # Under Yama's ptrace_scope 1 only a process named so may write into this one
+                # (the restore waits for the answer to its header before it tries).
+                _set_ptracer(p.pid)
+                load.answer_fd = p.stdin.fileno()
 
             def give_up():
                 timed_out.set()
@@ -164,11 +176,13 @@ def _from_store(url, state, step, strict, work_dir):
             except BaseException:
                 # Dead before anything is freed: it may be writing into this process's tensors.
                 p.kill()
-                p.wait()
+                _wait_out(p)
                 load.abandon()
                 raise
             finally:
                 timer.cancel()
+                if into:
+                    _set_ptracer(0)
             if rc != 0:
                 load.abandon()
                 if timed_out.is_set():
@@ -182,7 +196,29 @@ def _from_store(url, state, step, strict, work_dir):
             raise FormatError(f"{url}: elastic-ckpt restored step {got}, not step {step}")
         return _apply(state, rest, tensors, f"{url} step {got}", strict, got, shards)
     finally:
+        if into:
+            _INTO_PROCESS_LOCK.release()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _set_ptracer(pid):
+    """Lets process ``pid`` (0: none) access this process's memory where Yama restricts it to
+    a process's descendants; nothing where there is no Yama (the call fails with EINVAL)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the restore finds it cannot write, and writes the file
+
+
+def _wait_out(p):
+    """Waits until ``p`` (killed) has exited, whatever interrupts the wait."""
+    while True:
+        try:
+            p.wait()
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 class _Overlapped:
@@ -202,7 +238,7 @@ class _Overlapped:
         self.release_fd = None
         self.shards = None
         self.gone = False  # the step being read failed before its file could be opened
-        self.answer_to = None  # the restore's stdin, where the targets of a header go
+        self.answer_fd = None  # the restore's stdin, where the targets of a header go
 
     def event(self, line):
         if not line.startswith(b"{"):
@@ -243,6 +279,13 @@ class _Overlapped:
                                   f"{'not ' if kind == 'source' else ''}read from the store's chunks")
 
     def _begin(self, ev, where):
+        if self.reader is not None and self.reader.in_place_untouched():
+            # Answered with targets, but the restore writes the file after all (it is not let
+            # write into this process, or a wrapper stands between): nothing was written into
+            # memory, and the file is read instead.
+            self.reader.abandon()
+            self.reader = None
+            self._close()
         path, name, size = ev.get("path"), ev.get("name"), ev.get("bytes")
         if self.reader is not None or self.gone or name != _RESTORED or not isinstance(path, str) \
                 or not _is_int(size):
@@ -276,7 +319,7 @@ class _Overlapped:
         name, size, header = ev.get("name"), ev.get("bytes"), ev.get("header")
         in_memory = ev.get("targets") is True
         if self.reader is not None or self.gone or name != _RESTORED or not isinstance(header, str) \
-                or not _is_int(size) or (in_memory and self.answer_to is None):
+                or not _is_int(size) or (in_memory and self.answer_fd is None):
             raise FormatError(f"{where}: unexpected header event {_describe(ev)}")
         try:
             header = header.encode()
@@ -292,10 +335,12 @@ class _Overlapped:
             self.reader.abandon()
             self.reader = None
             self._close()
-        line = json.dumps({"step": self.meta[0], "name": name, "targets": targets}, separators=(",", ":"))
+        answer = {"step": self.meta[0], "name": name, "pid": os.getpid(), "targets": targets}
+        line = memoryview(json.dumps(answer, separators=(",", ":")).encode() + b"\n")
         try:
-            self.answer_to.write(line.encode() + b"\n")
-            self.answer_to.flush()
+            # Unbuffered: nothing is left to flush (and fail) when the pipe is closed.
+            while line:
+                line = line[os.write(self.answer_fd, line):]
         except BrokenPipeError:
             pass  # the restore ended: its exit status and error output say why
 

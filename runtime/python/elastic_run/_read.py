@@ -428,6 +428,11 @@ class RangedRead:
         self._in_place = True
         return [[start, e.nbytes, dest.data_ptr()] for start, e, dest in self._jobs]
 
+    def in_place_untouched(self):
+        """Whether this read was given to a writer into memory (:meth:`in_place`) that has
+        said no range is there yet."""
+        return self._in_place and not any(self._got)
+
     def ready(self, ranges):
         """Reads ``ranges`` (``[offset, length]`` pairs of the file) into the tensors that
         hold them, in the background."""

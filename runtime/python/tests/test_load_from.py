@@ -208,6 +208,32 @@ class LoadFrom(tc.TorchEnv):
         self.assertGreaterEqual(fd, 0)
         self.assertEqual(len(written), 2, written)  # the metadata, and the state file being written
 
+    def test_a_restore_that_is_not_the_loaders_child_writes_the_file(self):
+        from elastic_run import _read
+
+        # elastic-ckpt run through a shell that does not exec it: the restore's parent is the
+        # shell, not the loader, and the loader's answer names the loader. Nothing is written
+        # into the shell; the state file is, and it loads.
+        saved, _, url = self.commit(big=600_000, compress=True)
+        wrapper = os.path.join(self.tmp.name, "wrapped-elastic-ckpt")
+        with open(wrapper, "w") as f:
+            f.write(f'#!/bin/sh\n"{ckpt_exe()}" "$@"\n')
+        os.chmod(wrapper, 0o755)
+        self.env(ELASTIC_CKPT=wrapper)
+        kinds = []
+        finish = _read.RangedRead.finish
+
+        def spy(self_):
+            kinds.append(type(self_.f))
+            return finish(self_)
+
+        with mock.patch.object(_read.RangedRead, "finish", spy):
+            fresh = self.state(7)
+            self.assertEqual(er.load_from(url, fresh), 5)
+        self.assert_same(saved, fresh)
+        self.assertTrue(self.torch.equal(fresh["progress"]["big"], saved["progress"]["big"]))
+        self.assertEqual(kinds, [_read.TensorFile])
+
     def test_raw_chunks_of_a_local_bucket_are_read_where_they_lie(self):
         from elastic_run import _read
 
@@ -521,7 +547,6 @@ class RestoreEvents(tc.TorchEnv):
 
     def test_a_header_that_asks_for_targets_is_answered_with_the_tensors_addresses(self):
         import ctypes
-        import io
         import struct
 
         from safetensors.torch import save_file
@@ -540,16 +565,20 @@ class RestoreEvents(tc.TorchEnv):
 
         def begin():
             load = _load_from._Overlapped("s3://b/j", self.dest, {}, True)
-            load.answer_to = io.BytesIO()
+            r, w = os.pipe()
+            self.addCleanup(os.close, r)
+            self.addCleanup(os.close, w)
+            load.answer_fd = w
             self.feed(load, self.step(5), header)
-            answer = json.loads(load.answer_to.getvalue())
+            answer = json.loads(os.read(r, 1 << 16))
             return load, answer
 
         # The answer names the step, the file and where its one tensor's 40 bytes go; once
         # the restore has written them there (here, by hand) and said so, they load.
         load, answer = begin()
         [[offset, length, addr]] = answer.pop("targets")
-        self.assertEqual((answer, offset, length), ({"step": 5, "name": "state.safetensors"}, 8 + n, 40))
+        self.assertEqual((answer, offset, length),
+                         ({"step": 5, "name": "state.safetensors", "pid": os.getpid()}, 8 + n, 40))
         ctypes.memmove(addr, raw[8 + n:], 40)
         self.feed(load, ready)
         step, tensors, _, _ = load.finish()
@@ -570,15 +599,25 @@ class RestoreEvents(tc.TorchEnv):
         with self.assertRaisesRegex(er.FormatError, "unexpected header event"):
             self.feed(load, self.step(5), header)
         # With writes into memory off, the answer is none, and the file event that follows is
-        # read as usual.
-        with mock.patch.object(_load_from, "_INTO_PROCESS", False):
-            load, answer = begin()
-        self.assertEqual(answer, {"step": 5, "name": "state.safetensors", "targets": None})
+        # read as usual; so is a file event that follows an answer with targets, when the
+        # restore may not write into memory after all. Once a range is said to be in memory,
+        # a file event is refused.
         path = os.path.join(self.dest, ".state.safetensors.tmp-5")
         save_file({"model/w": t}, path, metadata={"elastic.step": "5"})
-        self.feed(load, self.file(5, path, len(raw)), ready)
-        _, tensors, _, _ = load.finish()
-        self.assertTrue(self.torch.equal(tensors["model/w"], t))
+        with mock.patch.object(_load_from, "_INTO_PROCESS", False):
+            load, answer = begin()
+        self.assertEqual(answer, {"step": 5, "name": "state.safetensors", "pid": os.getpid(), "targets": None})
+        load2, answer = begin()
+        self.assertIsNotNone(answer["targets"])
+        for load in (load, load2):
+            self.feed(load, self.file(5, path, len(raw)), ready)
+            _, tensors, _, _ = load.finish()
+            self.assertTrue(self.torch.equal(tensors["model/w"], t))
+        load, _ = begin()
+        self.feed(load, {**ready, "ranges": [[8 + n, 4]]})
+        with self.assertRaisesRegex(er.FormatError, "unexpected file event"):
+            self.feed(load, self.file(5, path, len(raw)))
+        load.abandon()
 
 
 if __name__ == "__main__":
