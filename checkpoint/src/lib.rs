@@ -28,7 +28,7 @@
 //! - [`error`]: the public [`Error`] (with `is_permanent`, `is_integrity`).
 //! - `local` (private): durable local writes (temp file, fsync, rename, fsync dir); its
 //!   [`durable::write_file_durable`] and [`durable::fsync_dir`] are public as [`durable`].
-//! - `src/bin/elastic-ckpt.rs`: the command-line tool
+//! - `src/bin/elastic-ckpt/`: the command-line tool
 //!   (`push pull export restore ls show verify gc cp`).
 //! - `tests/`: one test binary (`tests.rs`: conformance on memory/file/S3, bad input, crash,
 //!   faults, CLI, GCS reads, PyTorch interop, export) plus `azure.rs` (Azurite needs its own

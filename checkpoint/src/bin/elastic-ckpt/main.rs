@@ -1,20 +1,26 @@
 //! `elastic-ckpt`: inspect, move and check checkpoints in object storage.
+//!
+//! - Here: the command line and what each subcommand does.
+//! - `output`: what it prints (terminal-safe text, progress bars, sizes, times, JSON).
+//! - `reader`: `restore --into-parent`'s answers from the reader on stdin.
 
-use std::io::IsTerminal;
+mod output;
+mod reader;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use checkpoint::export::{EXPORT_KEY_DEFAULT, parse_size_bytes};
 use checkpoint::retention::GcCheck;
-use checkpoint::save::Progress;
 use checkpoint::{
     CancellationToken, CommitOutcome, CommitRequest, Compression, Manifest, PartInput, PartSource,
     ReadOptions, RetentionPolicy, SaveOptions, Store,
 };
 use clap::{Parser, Subcommand};
-use indicatif::{ProgressBar, ProgressStyle};
+
+use output::{bar, human_bytes, print_json, printable, shows_bar, utc};
+use reader::reader_targets;
 
 /// Default age after which an uncommitted leftover may be deleted.
 const LEFTOVER_AGE_SECS_DEFAULT: u64 = 3600;
@@ -201,12 +207,6 @@ enum Cmd {
     },
 }
 
-/// The longest `restore --into-parent` waits for the reader's answer to a header (it answers
-/// once it has checked the header against its state: milliseconds).
-const TARGETS_ANSWER_TIMEOUT_MS: u64 = 60_000;
-/// How often a restore waiting for that answer looks whether it was cancelled.
-const TARGETS_POLL_MS: u64 = 100;
-
 fn main() -> ExitCode {
     checkpoint::alloc::release_freed_buffers_eagerly();
     tracing_subscriber::fmt()
@@ -231,21 +231,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// Text from a checkpoint made safe for a terminal: control characters (escape sequences
-/// included) are shown escaped, as `\u{1b}`, instead of reaching the terminal. Newlines and
-/// tabs of the tool's own multi-line messages stay.
-fn printable(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if c.is_control() && c != '\n' && c != '\t' {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// A pull writes into an empty or absent directory unless `--force`: mixing a step's files
@@ -293,66 +278,6 @@ async fn progress_len(
     })
 }
 
-/// Whether a long transfer shows a progress bar: not under `--json`, and only on a terminal.
-fn shows_bar(json: bool) -> bool {
-    !json && std::io::stderr().is_terminal()
-}
-
-fn bar(json: bool, len: u64, what: &str) -> (ProgressBar, Option<Progress>) {
-    if !shows_bar(json) {
-        return (ProgressBar::hidden(), None);
-    }
-    let pb = ProgressBar::new(len);
-    pb.set_style(
-        ProgressStyle::with_template(
-            "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> "),
-    );
-    pb.set_message(what.to_string());
-    let p = pb.clone();
-    (pb, Some(Arc::new(move |n| p.inc(n))))
-}
-
-fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
-}
-
-/// UTC `YYYY-MM-DDTHH:MM:SSZ` from Unix milliseconds.
-fn utc(ms: u64) -> String {
-    let secs = ms / 1000;
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Civil-from-days (Howard Hinnant).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
 /// `gc --keep-last`: at least 1, since gc never deletes the newest step that verifies.
 fn parse_keep_last(s: &str) -> std::result::Result<usize, String> {
     match s.parse::<usize>() {
@@ -382,72 +307,6 @@ async fn newest_committed(
             .copied()
             .with_context(|| format!("no committed step in {}", store.url())),
     }
-}
-
-/// The reader's answers on stdin for `restore --into-parent`: a line each, at most
-/// [`checkpoint::restore::TARGETS_LINE_BYTES_MAX`] bytes, each within
-/// [`TARGETS_ANSWER_TIMEOUT_MS`] of its question. Read on a thread of its own, so that a
-/// reader that never answers holds up neither a cancelled restore nor the process's exit.
-fn reader_targets(cancel: &CancellationToken) -> checkpoint::restore::IntoProcess {
-    use std::io::{BufRead, Read};
-    let (tx, rx) = std::sync::mpsc::sync_channel::<Result<String, String>>(1);
-    std::thread::spawn(move || {
-        let mut input = std::io::BufReader::new(std::io::stdin());
-        loop {
-            let mut line = String::new();
-            let got = (&mut input)
-                .take(checkpoint::restore::TARGETS_LINE_BYTES_MAX)
-                .read_line(&mut line);
-            let last = !matches!(&got, Ok(n) if *n > 0 && line.ends_with('\n'));
-            let sent = match got {
-                Ok(0) => Err("its input ended before it answered".to_string()),
-                Ok(n) if !line.ends_with('\n') => Err(format!("no end of line within {n} bytes")),
-                Ok(_) => Ok(line),
-                Err(e) => Err(e.to_string()),
-            };
-            if tx.send(sent).is_err() || last {
-                return;
-            }
-        }
-    });
-    let rx = std::sync::Mutex::new(rx);
-    let cancel = cancel.clone();
-    checkpoint::restore::IntoProcess::parent(std::sync::Arc::new(move |step, name: &str| {
-        let bad = |why: String| {
-            checkpoint::Error::InvalidInput(format!("the reader's targets for {name}: {why}"))
-        };
-        let rx = rx.lock().unwrap_or_else(|e| e.into_inner());
-        let asked = std::time::Instant::now();
-        loop {
-            match rx.recv_timeout(std::time::Duration::from_millis(TARGETS_POLL_MS)) {
-                Ok(Ok(line)) => return checkpoint::restore::parse_targets(&line, step, name),
-                Ok(Err(why)) => return Err(bad(why)),
-                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(bad("its input ended before it answered".into()));
-                }
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if cancel.is_cancelled() => {
-                    return Err(checkpoint::Error::Cancelled {
-                        op: format!("waiting for the reader's targets for {name}"),
-                    });
-                }
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                    if asked.elapsed()
-                        >= std::time::Duration::from_millis(TARGETS_ANSWER_TIMEOUT_MS)
-                    {
-                        return Err(checkpoint::Error::Timeout {
-                            op: format!("waiting for the reader's targets for {name}"),
-                            deadline_ms: TARGETS_ANSWER_TIMEOUT_MS,
-                        });
-                    }
-                }
-            }
-        }
-    }))
-}
-
-fn print_json(v: &impl serde::Serialize) -> Result<()> {
-    println!("{}", serde_json::to_string_pretty(v)?);
-    Ok(())
 }
 
 async fn run(cli: Cli) -> Result<()> {
