@@ -471,12 +471,12 @@ class RestoreEvents(tc.TorchEnv):
         with self.assertRaisesRegex(er.FormatError, "outside"):
             self.feed(load, self.step(5), self.file(5, "/etc/.passwd"))
 
-    def test_sources_are_files_of_the_store_and_only_of_a_step_restored_without_copies(self):
+    def saved(self):
+        """A tensor saved as step 5 in a safetensors file: ``(tensor, the file's bytes, its
+        header's length, the header event of a restore that does not write it)``."""
         import struct
 
         from safetensors.torch import save_file
-
-        from elastic_run import _load_from
 
         t = self.torch.arange(10, dtype=self.torch.float32)
         written = os.path.join(self.tmp.name, "w.safetensors")
@@ -486,6 +486,14 @@ class RestoreEvents(tc.TorchEnv):
         (n,) = struct.unpack("<Q", raw[:8])
         header = {"event": "header", "step": 5, "name": "state.safetensors", "bytes": len(raw),
                   "header": raw[8:8 + n].decode()}
+        return t, raw, n, header
+
+    def test_sources_are_files_of_the_store_and_only_of_a_step_restored_without_copies(self):
+        from safetensors.torch import save_file
+
+        from elastic_run import _load_from
+
+        t, raw, n, header = self.saved()
         bucket = os.path.join(self.tmp.name, "b")
         os.makedirs(os.path.join(bucket, "steps"))
         chunk = os.path.join(bucket, "steps", "c.bin")
@@ -547,20 +555,13 @@ class RestoreEvents(tc.TorchEnv):
 
     def test_a_header_that_asks_for_targets_is_answered_with_the_tensors_addresses(self):
         import ctypes
-        import struct
 
         from safetensors.torch import save_file
 
         from elastic_run import _load_from
 
-        t = self.torch.arange(10, dtype=self.torch.float32)
-        written = os.path.join(self.tmp.name, "w.safetensors")
-        save_file({"model/w": t}, written, metadata={"elastic.step": "5"})
-        with open(written, "rb") as f:
-            raw = f.read()
-        (n,) = struct.unpack("<Q", raw[:8])
-        header = {"event": "header", "step": 5, "name": "state.safetensors", "bytes": len(raw),
-                  "header": raw[8:8 + n].decode(), "targets": True}
+        t, raw, n, header = self.saved()
+        header = {**header, "targets": True}
         ready = {"event": "ready", "step": 5, "name": "state.safetensors", "ranges": [[8 + n, 40]]}
 
         def begin():
