@@ -88,12 +88,13 @@ impl IntoProcess {
         }
     }
 
-    /// Into process `pid` (this one, in tests).
+    /// Into process `pid` (this one, in tests), checked before each write to be this
+    /// process's parent when `parent` says so.
     #[cfg(test)]
-    pub(crate) fn process(pid: i32, targets: Targets) -> Self {
+    pub(crate) fn process(pid: i32, parent: bool, targets: Targets) -> Self {
         IntoProcess {
             pid,
-            parent: false,
+            parent,
             targets,
         }
     }
@@ -346,9 +347,32 @@ mod tests {
         assert_eq!(pieces(&ts, 131, 2), vec![(0, 2, 0x3001)]);
     }
 
+    /// A restore writes into its parent only while that is still its parent: here, a
+    /// process that never was (this one) is refused before a byte moves.
+    #[test]
+    fn a_process_that_is_not_the_parent_is_not_written_into() {
+        let mut buf = vec![0u8; 16];
+        let me = std::process::id() as i32;
+        let into = IntoProcess::process(me, true, Arc::new(|_, _| Ok(None)));
+        let targets = vec![t(8, 16, buf.as_mut_ptr() as u64)];
+        let out = ProcessOut::new(&into, vec![("f".into(), targets, [8, 24])]).unwrap();
+        let e = out.write_at(0, &[7; 16], 8).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("process {me}")) && e.contains("gone"),
+            "{e}"
+        );
+        assert_eq!(buf, [0; 16]);
+        // The same, not checked for being the parent, is written.
+        let into = IntoProcess::process(me, false, Arc::new(|_, _| Ok(None)));
+        let targets = vec![t(8, 16, buf.as_mut_ptr() as u64)];
+        let out = ProcessOut::new(&into, vec![("f".into(), targets, [8, 24])]).unwrap();
+        out.write_at(0, &[7; 16], 8).unwrap();
+        assert_eq!(buf, [7; 16]);
+    }
+
     #[test]
     fn targets_outside_the_data_or_over_each_other_are_refused() {
-        let into = IntoProcess::process(1, Arc::new(|_, _| Ok(None)));
+        let into = IntoProcess::process(1, false, Arc::new(|_, _| Ok(None)));
         let check = |ts: Vec<Target>| ProcessOut::new(&into, vec![("f".into(), ts, [100, 200])]);
         assert!(check(vec![t(150, 50, 8), t(100, 50, 0x100)]).is_ok());
         for (ts, why) in [
@@ -485,7 +509,7 @@ mod tests {
         };
         let opts = ReadOptions {
             events: Some(events),
-            into_process: Some(IntoProcess::process(pid, targets)),
+            into_process: Some(IntoProcess::process(pid, false, targets)),
             ..Default::default()
         };
         let dest = tempfile::tempdir().unwrap();
