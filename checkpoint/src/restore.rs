@@ -51,7 +51,8 @@ pub(crate) use write::{Layout, OutFile, file_range_copies};
 
 pub use crate::local::check_fresh_dir;
 pub use into_process::{
-    IntoProcess, TARGETS_LINE_BYTES_MAX, TARGETS_MAX, Target, Targets, parse_targets,
+    IntoProcess, ReaderTargets, TARGETS_LINE_BYTES_MAX, TARGETS_MAX, Target, Targets,
+    check_targets, parse_targets,
 };
 pub use read::VerifyReport;
 pub use steps::{StepInfo, StepSummary};

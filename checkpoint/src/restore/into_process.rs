@@ -138,6 +138,46 @@ pub fn parse_targets(line: &str, step: u64, name: &str) -> Result<Option<ReaderT
     Ok(Some(ReaderTargets { pid, ranges }))
 }
 
+/// The targets a reader named for output `name`, sorted by offset and checked against the
+/// output's data region `[start, end)` (after its length prefix and header): each must lie
+/// in it, none may overlap another, none may be empty or at address 0, and none may wrap
+/// around the address space.
+pub fn check_targets(
+    name: &str,
+    mut targets: Vec<Target>,
+    [start, end]: [u64; 2],
+) -> Result<Vec<Target>> {
+    targets.sort_unstable_by_key(|t| t.offset);
+    let mut at = start;
+    for t in &targets {
+        let bad = |why: &str| {
+            Error::InvalidInput(format!(
+                "the reader's targets for {name}: [{}, {}, {:#x}] {why}",
+                t.offset, t.len, t.addr
+            ))
+        };
+        if t.len == 0 || t.addr == 0 {
+            return Err(bad("is empty or at address 0"));
+        }
+        if t.offset < at {
+            return Err(bad(&format!(
+                "starts before byte {at} (inside the header or another range)"
+            )));
+        }
+        if t.offset.checked_add(t.len).is_none_or(|e| e > end) {
+            return Err(bad(&format!("ends past the data's end at byte {end}")));
+        }
+        if t.addr
+            .checked_add(t.len)
+            .is_none_or(|e| e > usize::MAX as u64)
+        {
+            return Err(bad("wraps around the address space"));
+        }
+        at = t.offset + t.len;
+    }
+    Ok(targets)
+}
+
 /// Where a read writes its output: files, or the reader's memory.
 pub(crate) trait Output: Send + Sync {
     /// Writes `buf` at byte `offset` of output `out`.
@@ -159,49 +199,19 @@ pub(crate) struct ProcessOut {
 }
 
 impl ProcessOut {
-    /// Checks each output's targets against the output: `data` is the output's data region
-    /// `[start, end)` (after its length prefix and header). Targets must lie in it, in order,
-    /// without overlapping, each at an address whose range does not wrap.
+    /// Each output's targets, checked against the output ([`check_targets`]).
     pub(crate) fn new(
         into: &IntoProcess,
         outs: Vec<(String, Vec<Target>, [u64; 2])>,
     ) -> Result<Self> {
-        let mut checked = Vec::with_capacity(outs.len());
-        for (name, mut targets, [start, end]) in outs {
-            targets.sort_unstable_by_key(|t| t.offset);
-            let mut at = start;
-            for t in &targets {
-                let bad = |why: &str| {
-                    Error::InvalidInput(format!(
-                        "the reader's targets for {name}: [{}, {}, {:#x}] {why}",
-                        t.offset, t.len, t.addr
-                    ))
-                };
-                if t.len == 0 || t.addr == 0 {
-                    return Err(bad("is empty or at address 0"));
-                }
-                if t.offset < at {
-                    return Err(bad(&format!(
-                        "starts before byte {at} (inside the header or another range)"
-                    )));
-                }
-                if t.offset.checked_add(t.len).is_none_or(|e| e > end) {
-                    return Err(bad(&format!("ends past the data's end at byte {end}")));
-                }
-                if t.addr
-                    .checked_add(t.len)
-                    .is_none_or(|e| e > usize::MAX as u64)
-                {
-                    return Err(bad("wraps around the address space"));
-                }
-                at = t.offset + t.len;
-            }
-            checked.push(targets);
-        }
+        let outs = outs
+            .into_iter()
+            .map(|(name, targets, data)| check_targets(&name, targets, data))
+            .collect::<Result<_>>()?;
         Ok(ProcessOut {
             pid: into.pid,
             parent: into.parent,
-            outs: checked,
+            outs,
         })
     }
 
