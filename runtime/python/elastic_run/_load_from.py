@@ -205,8 +205,7 @@ def _set_ptracer(pid):
     """Lets process ``pid`` (0: none) access this process's memory where Yama restricts it to
     a process's descendants; nothing where there is no Yama (the call fails with EINVAL)."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0)
+        _read._libc().prctl(_PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0)
     except (OSError, AttributeError):
         pass  # not Linux: the restore finds it cannot write, and writes the file
 

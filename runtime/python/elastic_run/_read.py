@@ -45,17 +45,25 @@ _PENDING_CHECK = 64
 # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE.
 _PAGE_BYTES = 4096
 _FALLOC_PUNCH_HOLE = 0x02 | 0x01
-_LIBC = []  # the fallocate function (or None), looked up once
+_LIBC = []  # this process's C library (errno kept), loaded once
+_FALLOCATE = []  # the fallocate function (or None), looked up once
+
+
+def _libc():
+    """The C library this process runs on, loaded once, with ``errno`` kept for each call."""
+    if not _LIBC:
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
 
 
 def _fallocate():
     """libc's ``fallocate``, or None where there is none (not Linux)."""
-    if not _LIBC:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), "fallocate", None)
+    if not _FALLOCATE:
+        fn = getattr(_libc(), "fallocate", None)
         if fn is not None:
             fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-        _LIBC.append(fn)
-    return _LIBC[0]
+        _FALLOCATE.append(fn)
+    return _FALLOCATE[0]
 
 # safetensors dtype -> (torch dtype name, bytes per element).
 _DTYPES = {

@@ -7,6 +7,7 @@ use checkpoint::CancellationToken;
 const TARGETS_ANSWER_TIMEOUT_MS: u64 = 60_000;
 /// How often a restore waiting for that answer looks whether it was cancelled.
 const TARGETS_POLL_MS: u64 = 100;
+
 /// The reader's answers on stdin for `restore --into-parent`: a line each, at most
 /// [`checkpoint::restore::TARGETS_LINE_BYTES_MAX`] bytes, each within
 /// [`TARGETS_ANSWER_TIMEOUT_MS`] of its question. Read on a thread of its own, so that a
