@@ -4,7 +4,8 @@
 //! - While a worker group trains, the agent keeps one standby per local rank: `python -u -c`
 //!   with `runtime/python/elastic_run/_standby.py`, started as that rank's worker was (its
 //!   environment, its own process group, `PR_SET_PDEATHSIG`), stdin a Unix socket to the agent,
-//!   stdout and stderr /dev/null. It imports torch and waits.
+//!   stdout and stderr /dev/null. It imports torch and waits. The agent also starts the missing
+//!   ones before it restores a generation's resume step, so that they import while it restores.
 //! - At the next start of the workers, a rank whose standby is alive and whose new
 //!   environment differs from the standby's only in per-generation variables
 //!   ([`per_generation`]: ranks, world, master, generation, restart count, error file, and

@@ -607,7 +607,7 @@ impl WorkerGroup {
 }
 
 /// Starts the missing standbys, each with the environment its rank's worker has now.
-fn fill_standbys(
+pub(crate) fn fill_standbys(
     cfg: &SupervisorConfig,
     spec: &WorkerSpec,
     view: &GenerationView,

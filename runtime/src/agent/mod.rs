@@ -348,6 +348,18 @@ impl Agent {
                     outcome: Default::default(),
                 })));
         } else if let Some(step) = resume_step {
+            if node.sup_cfg.standbys.is_some() {
+                // With --warm-standby, the workers' interpreters start and import while the
+                // step restores: the group's first start after a restore is warm too.
+                tracing::info!(step, "warm standbys start while the resume step restores");
+                crate::supervisor::fill_standbys(
+                    &node.sup_cfg,
+                    &node.spec,
+                    &view,
+                    self.restarts,
+                    &node.launcher,
+                );
+            }
             let t0 = Instant::now();
             let r = tokio::select! {
                 r = restore::restore_retrying(&node.sink, step, ranks, view.world_size, &self.cancel) => r,

@@ -862,10 +862,18 @@ fn resuming_at_the_same_world_size_gives_bitwise_equal_weights() {
         (out, err)
     };
     let train = |ck: &std::path::Path, steps: u32| train_with(ck, steps, &[]).0;
+    // The workers started in standbys that imported torch while the agent restored step 12
+    // (`--warm-standby`): they read it whole all the same.
+    let warm = |err: &str| err.matches("worker started from a warm standby").count();
     let straight = train(&tmp.path().join("a"), 30);
     let first = train(&tmp.path().join("b"), 12);
-    let resumed = train(&tmp.path().join("b"), 30);
+    let (resumed, err) = train_with(&tmp.path().join("b"), 30, &["--warm-standby"]);
     assert!(resumed.contains("resumed from step 12 "), "{resumed}");
+    assert!(
+        err.contains("warm standbys start while the resume step restores"),
+        "{err}"
+    );
+    assert_eq!(warm(&err), 2, "{err}");
     assert_ne!(
         digest(&first),
         digest(&straight),
@@ -887,11 +895,12 @@ fn resuming_at_the_same_world_size_gives_bitwise_equal_weights() {
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0x01;
     std::fs::write(&chunk, bytes).unwrap();
-    let (out, err) = train_with(&ck, 30, &[]);
+    let (out, err) = train_with(&ck, 30, &["--warm-standby"]);
     assert!(
         out.contains(&format!("resumed from step {before} ")),
         "{out}"
     );
+    assert_eq!(warm(&err), 2, "{err}");
     assert!(
         err.contains("000000.bin") && err.contains("falling back"),
         "{err}"
