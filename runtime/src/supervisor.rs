@@ -39,8 +39,11 @@ use crate::state::AgentState;
 use crate::worker_env::{self, GenerationView, LauncherEnv, WorkerSpec};
 
 /// With `--warm-standby`, how long after a group's start its standbys start when it reports
-/// no step before.
-const STANDBY_FILL_AFTER_MS: u64 = 10_000;
+/// no step before (a script that never reports steps). Long enough that a large model's slow
+/// start (building it, loading its state, a first step of many seconds) does not share its
+/// cores with the standbys' imports: on 2 cores, standbys started 10 s into a 12 s first step
+/// delayed it by 2-3 s (BENCHMARKS.md §3).
+const STANDBY_FILL_AFTER_MS: u64 = 60_000;
 /// How long to wait for SIGKILLed workers to be reaped and their output drained.
 const REAP_AFTER_KILL_MS: u64 = 5_000;
 /// How long to wait for output pumps after the workers are gone (a grandchild outside the
@@ -252,8 +255,8 @@ async fn run_group(
         .fetch_add(group.warm, std::sync::atomic::Ordering::Relaxed);
     let started = Instant::now();
     // The standbys for the next group start once this one trains (its first step), or after
-    // STANDBY_FILL_AFTER_MS for a script that never reports steps: not while its own
-    // interpreters start on the same cores.
+    // a while when it reports none (standbys_due_now): not while its own interpreters start
+    // on the same cores.
     let mut standbys_due = cfg.standbys.is_some();
     let mut tick = tokio::time::interval(cfg.monitor_interval.max(Duration::from_millis(10)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -289,8 +292,7 @@ async fn run_group(
                 let now = Instant::now();
                 if standbys_due
                     && drain_deadline.is_none()
-                    && (state.last_progress().is_some()
-                        || now.duration_since(started) >= Duration::from_millis(STANDBY_FILL_AFTER_MS))
+                    && standbys_due_now(state.last_progress().is_some(), now.duration_since(started))
                 {
                     standbys_due = false;
                     fill_standbys(cfg, spec, view, restarts, launcher);
@@ -606,6 +608,12 @@ impl WorkerGroup {
     }
 }
 
+/// Whether a group's standbys start now: once it reported a step (`progressed`), else once
+/// it has run [`STANDBY_FILL_AFTER_MS`].
+fn standbys_due_now(progressed: bool, running: Duration) -> bool {
+    progressed || running >= Duration::from_millis(STANDBY_FILL_AFTER_MS)
+}
+
 /// Starts the missing standbys, each with the environment its rank's worker has now.
 pub(crate) fn fill_standbys(
     cfg: &SupervisorConfig,
@@ -841,6 +849,16 @@ mod tests {
             omp_num_threads_set: false,
             standbys: None,
         }
+    }
+
+    #[test]
+    fn standbys_start_at_the_first_step_or_a_minute_into_a_group_that_reports_none() {
+        let s = Duration::from_secs;
+        assert!(standbys_due_now(true, s(0)));
+        // A first step of seconds (a large model) keeps its cores.
+        assert!(!standbys_due_now(false, s(15)));
+        assert!(!standbys_due_now(false, s(59)));
+        assert!(standbys_due_now(false, s(60)));
     }
 
     #[tokio::test]
