@@ -614,16 +614,17 @@ fn standbys_due_now(progressed: bool, running: Duration) -> bool {
     progressed || running >= Duration::from_millis(STANDBY_FILL_AFTER_MS)
 }
 
-/// Starts the missing standbys, each with the environment its rank's worker has now.
+/// Starts the missing standbys, each with the environment its rank's worker has now; returns
+/// how many started.
 pub(crate) fn fill_standbys(
     cfg: &SupervisorConfig,
     spec: &WorkerSpec,
     view: &GenerationView,
     restarts: u32,
     launcher: &Launcher,
-) {
+) -> usize {
     let Some(pool) = cfg.standbys.as_deref() else {
-        return;
+        return 0;
     };
     let error_file = spec.run_dir.join("standby");
     let started = pool.fill(spec.nproc, |local_rank| {
@@ -641,6 +642,7 @@ pub(crate) fn fill_standbys(
     if started > 0 {
         tracing::info!(started, "warm standbys started for the next worker group");
     }
+    started
 }
 
 /// A teed stream of a worker started from a standby: the pipe's read end and where it goes.

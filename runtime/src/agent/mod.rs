@@ -348,16 +348,20 @@ impl Agent {
                     outcome: Default::default(),
                 })));
         } else if let Some(step) = resume_step {
-            if node.sup_cfg.standbys.is_some() {
-                // With --warm-standby, the workers' interpreters start and import while the
-                // step restores: the group's first start after a restore is warm too.
-                tracing::info!(step, "warm standbys start while the resume step restores");
-                crate::supervisor::fill_standbys(
-                    &node.sup_cfg,
-                    &node.spec,
-                    &view,
-                    self.restarts,
-                    &node.launcher,
+            // With --warm-standby, the workers' interpreters start and import while the step
+            // restores: the group's first start after a restore is warm too.
+            let started = crate::supervisor::fill_standbys(
+                &node.sup_cfg,
+                &node.spec,
+                &view,
+                self.restarts,
+                &node.launcher,
+            );
+            if started > 0 {
+                tracing::info!(
+                    step,
+                    started,
+                    "warm standbys start while the resume step restores"
                 );
             }
             let t0 = Instant::now();
