@@ -56,6 +56,22 @@ def free_port():
         return s.getsockname()[1]
 
 
+def worker_env(**extra):
+    """This process's environment for a launcher and its workers: none of the variables an
+    outer elastic-run or torchrun job set, one thread per worker, unbuffered output, the
+    venv's bin first on PATH; then ``extra``."""
+    env = dict(os.environ)
+    for k in list(env):
+        if k.startswith(("ELASTIC_", "TORCHELASTIC_", "PET_")) or k in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                                          "MASTER_PORT", "LOCAL_RANK"):
+            del env[k]
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PATH"] = os.path.join(VENV, "bin") + os.pathsep + env.get("PATH", "")
+    env.update(extra)
+    return env
+
+
 def venv_bin(name):
     p = os.path.join(VENV, "bin", name)
     if not os.path.exists(p):

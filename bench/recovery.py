@@ -163,15 +163,7 @@ def read_events(path):
 
 
 def worker_env(tmp):
-    env = dict(os.environ)
-    for k in list(env):
-        if k.startswith(("ELASTIC_", "TORCHELASTIC_", "PET_")) or k in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                                          "MASTER_PORT", "LOCAL_RANK"):
-            del env[k]
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PATH"] = os.path.join(common.VENV, "bin") + os.pathsep + env.get("PATH", "")
-    return env
+    return common.worker_env()
 
 
 def train_cmd(a):

@@ -7,8 +7,8 @@ import torch while the agent restores), and `torchrun --standalone` with `dcp.lo
 The job is `examples/ddp_train.py` (an MLP whose two hidden layers are --hidden wide, SGD with
 momentum: about 8 * hidden^2 bytes of state; 11000 is 0.9 GiB) on gloo, each worker with one
 thread. Untimed, once: elastic-run trains 2 steps and commits step 2 to a `file://` store on
-/tmp (each resume runs on a copy of it, made untimed); the torchrun worker (this file, `--dcp-worker save`) does the same and `dcp.save`s step 2
-to /tmp. Timed, per repetition in rotated order, each from the launcher's start until rank 0
+/tmp (each resume runs on a copy of it, made untimed); the torchrun worker (this file,
+`--dcp-worker save`) does the same and `dcp.save`s step 2 to /tmp. Timed, per repetition in rotated order, each from the launcher's start until rank 0
 prints step 3:
 - `elastic-run`: the agent restores step 2 into `/dev/shm`, then starts the workers, whose
   `elastic_run.load` reads it;
@@ -34,24 +34,20 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-VENV = os.environ.get("ELASTIC_VENV", os.path.join(REPO, ".venv"))
-PY = os.path.join(VENV, "bin", "python")
+sys.path.insert(0, HERE)
+import common  # noqa: E402 (bench/common.py, beside this file)
+
+REPO = common.REPO
+PY = os.path.join(common.VENV, "bin", "python")
 # The longest one launch may take (a 1 GiB save or resume on 2 cores takes seconds).
 RUN_TIMEOUT_S = 600
 STEP_LINE = re.compile(r"\bstep (\d+) loss ")
-RESTORED_MS = re.compile(r"restored.*\bms=(\d+)")
+# The agent's line once the resume step is restored (not the store's own lines before it).
+RESTORED_MS = re.compile(r": restored step=\d+ dir=.*\bms=(\d+)")
 
 
 def env_of():
-    env = dict(os.environ)
-    for k in list(env):
-        if k.startswith(("ELASTIC_", "TORCHELASTIC_", "PET_")) or k in (
-                "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-            del env[k]
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo", NO_COLOR="1")
-    env["PATH"] = os.path.join(VENV, "bin") + os.pathsep + env.get("PATH", "")
-    return env
+    return common.worker_env(GLOO_SOCKET_IFNAME="lo", NO_COLOR="1")
 
 
 def launch(argv, first_step, cwd):
@@ -153,7 +149,7 @@ def main():
     p.add_argument("--hidden", type=int, default=11000)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--keep", action="store_true", help="keep the checkpoints and logs")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--dcp-worker", choices=["save", "load"], help=argparse.SUPPRESS)
     p.add_argument("--dcp-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
