@@ -15,17 +15,23 @@
 //!   `CUDA_VISIBLE_DEVICES`, `LD_*`...) and any failure to hand over means a fresh interpreter,
 //!   as without the flag.
 //! - Only Python command lines qualify: `[PYTHON [-u]] SCRIPT.py ARGS` and
-//!   `[PYTHON [-u]] -m MODULE ARGS` (other interpreter flags mean a fresh interpreter). A standby is a whole interpreter with torch imported (a few
-//!   hundred MB of host memory per local rank), which is why the flag is opt-in.
+//!   `[PYTHON [-u]] -m MODULE ARGS` (other interpreter flags mean a fresh interpreter). A
+//!   standby is a whole interpreter with torch imported (a few hundred MB of host memory per
+//!   local rank), which is why the flag is opt-in.
+//! - Here too: when the supervisor fills the pool ([`fill_standbys`], [`standbys_due_now`]) and
+//!   hands a worker to its standby ([`warm_start`]).
 
 use std::io::Write;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::process::Stdio;
-use std::sync::Mutex;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use crate::supervisor::die_with_agent;
+use crate::logs::Dest;
+use crate::output::Stream;
+use crate::supervisor::{Launcher, SupervisorConfig, die_with_agent};
+use crate::worker_env::{self, GenerationView, WorkerSpec};
 
 /// The standby's program, run with `python -u -c`.
 pub const STANDBY_SOURCE: &str = include_str!("../python/elastic_run/_standby.py");
@@ -217,6 +223,120 @@ pub fn startup_difference(a: &[(String, String)], b: &[(String, String)]) -> Opt
         .or_else(|| b.keys().find(|k| !a.contains_key(*k)).cloned())
 }
 
+/// With `--warm-standby`, how long after a group's start its standbys start when it reports
+/// no step before (a script that never reports steps). Long enough that a large model's slow
+/// start (building it, loading its state, a first step of many seconds) does not share its
+/// cores with the standbys' imports: on 2 cores, standbys started 10 s into a 12 s first step
+/// delayed it by 2-3 s (BENCHMARKS.md §3).
+const STANDBY_FILL_AFTER_MS: u64 = 60_000;
+/// Whether a group's standbys start now: once it reported a step (`progressed`), else once
+/// it has run [`STANDBY_FILL_AFTER_MS`].
+pub(crate) fn standbys_due_now(progressed: bool, running: Duration) -> bool {
+    progressed || running >= Duration::from_millis(STANDBY_FILL_AFTER_MS)
+}
+
+/// Starts the missing standbys, each with the environment its rank's worker has now; returns
+/// how many started.
+pub(crate) fn fill_standbys(
+    cfg: &SupervisorConfig,
+    spec: &WorkerSpec,
+    view: &GenerationView,
+    restarts: u32,
+    launcher: &Launcher,
+) -> usize {
+    let Some(pool) = cfg.standbys.as_deref() else {
+        return 0;
+    };
+    let error_file = spec.run_dir.join("standby");
+    let started = pool.fill(spec.nproc, |local_rank| {
+        worker_env::worker_env(
+            spec,
+            view,
+            local_rank,
+            restarts,
+            cfg.omp_num_threads_set,
+            &launcher.env,
+            &error_file,
+        )
+        .ok()
+    });
+    if started > 0 {
+        tracing::info!(started, "warm standbys started for the next worker group");
+    }
+    started
+}
+
+/// A teed stream of a worker started from a standby: the pipe's read end and where it goes.
+type Pump = (
+    tokio::net::unix::pipe::Receiver,
+    Arc<crate::logs::Tee>,
+    Stream,
+);
+
+/// Starts `local_rank`'s worker from its warm standby, if it has a fit one: the child and the
+/// pumps of its teed streams. `None`: start it cold (why is logged).
+pub(crate) fn warm_start(
+    pool: &Standbys,
+    local_rank: u32,
+    env: &[(String, String)],
+    stdout: &Dest,
+    stderr: &Dest,
+) -> Option<(tokio::process::Child, Vec<Pump>)> {
+    let s = match pool.take(local_rank, env) {
+        Ok(s) => s,
+        Err(Unfit::None) => return None,
+        Err(Unfit::Exited) => {
+            tracing::warn!(
+                local_rank,
+                "the warm standby had exited; starting the worker cold"
+            );
+            return None;
+        }
+        Err(Unfit::Env(key)) => {
+            tracing::info!(local_rank, variable = %key, "the worker's environment changed since its warm standby started; starting it cold");
+            return None;
+        }
+    };
+    let mut pumps = Vec::new();
+    let mut give = |dest: &Dest, fd: i32, stream: Stream| -> std::io::Result<OwnedFd> {
+        match dest {
+            Dest::Console => {
+                // SAFETY: fd 1 or 2 stays open for the agent's life; the clone is owned here.
+                unsafe { BorrowedFd::borrow_raw(fd) }.try_clone_to_owned()
+            }
+            Dest::Null => Ok(std::fs::OpenOptions::new()
+                .write(true)
+                .open("/dev/null")?
+                .into()),
+            Dest::File(_, f) => Ok(f.try_clone()?.into()),
+            Dest::Tee(t) => {
+                let (read, write) = pipe()?;
+                let read = tokio::net::unix::pipe::Receiver::from_owned_fd(read)?;
+                pumps.push((read, t.clone(), stream));
+                Ok(write)
+            }
+        }
+    };
+    let handed = give(stdout, 1, Stream::Stdout)
+        .and_then(|out| Ok((out, give(stderr, 2, Stream::Stderr)?)))
+        .and_then(|(out, err)| s.activate(pool.plan(), env, out, err));
+    match handed {
+        Ok((child, waited)) => {
+            tracing::info!(
+                local_rank,
+                pid = child.id(),
+                standby_age_ms = waited.as_millis() as u64,
+                "worker started from a warm standby"
+            );
+            Some((child, pumps))
+        }
+        Err(e) => {
+            tracing::warn!(local_rank, error = %e, "cannot hand the worker to its warm standby; starting it cold");
+            None
+        }
+    }
+}
+
 fn spawn(python: &str, env: Vec<(String, String)>) -> std::io::Result<Standby> {
     let (agent_end, child_end) = UnixStream::pair()?;
     let mut cmd = tokio::process::Command::new(python);
@@ -346,6 +466,16 @@ pub fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn standbys_start_at_the_first_step_or_a_minute_into_a_group_that_reports_none() {
+        let s = Duration::from_secs;
+        assert!(standbys_due_now(true, s(0)));
+        // A first step of seconds (a large model) keeps its cores.
+        assert!(!standbys_due_now(false, s(15)));
+        assert!(!standbys_due_now(false, s(59)));
+        assert!(standbys_due_now(false, s(60)));
+    }
 
     fn env(kv: &[(&str, &str)]) -> Vec<(String, String)> {
         kv.iter()

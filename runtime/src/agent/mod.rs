@@ -350,7 +350,7 @@ impl Agent {
         } else if let Some(step) = resume_step {
             // With --warm-standby, the workers' interpreters start and import while the step
             // restores: the group's first start after a restore is warm too.
-            let started = crate::supervisor::fill_standbys(
+            let started = crate::standby::fill_standbys(
                 &node.sup_cfg,
                 &node.spec,
                 &view,
