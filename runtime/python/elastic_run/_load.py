@@ -13,6 +13,8 @@ from .protocol import (
     _RESTORED,
     _RESTORED_MARKER,
     _RESTORED_META,
+    _RESTORED_SOURCES,
+    _RESTORED_SOURCES_VERSIONS,
     _RESTORED_VERSIONS,
     _TENSORS,
     FormatError,
@@ -69,7 +71,7 @@ def load(state=None, optimizer=None, resume_dir=None, *, model=None, strict=True
         return None
     mine = os.path.join(d, f"rank-{rank()}")
     shards = {}
-    if os.path.isfile(os.path.join(mine, _RESTORED)):
+    if _has_restored(mine):
         into = _into(state, model, optimizer, strict, shards, d)
         step, tensors, rest = _read_restored(mine, shards=shards, into=into)
     elif _is_restore_dir(d):
@@ -231,13 +233,58 @@ def _read_shards(path, header, tensors):
     return out
 
 
+def _has_restored(d):
+    """Whether ``d`` holds a restored rank's tensors: its tensor file, or where the file's
+    bytes lie in the store's chunks (a restore without copies)."""
+    return os.path.isfile(os.path.join(d, _RESTORED)) or os.path.isfile(os.path.join(d, _RESTORED_SOURCES))
+
+
 def _is_restore_dir(d):
     if os.path.isfile(os.path.join(d, _RESTORED_MARKER)):
         return True
     for name in os.listdir(d):
-        if name.startswith("rank-") and os.path.isfile(os.path.join(d, name, _RESTORED)):
+        if name.startswith("rank-") and _has_restored(os.path.join(d, name)):
             return True
     return False
+
+
+def _open_restored(d):
+    """The tensor file of restored rank directory ``d``: ``state.safetensors``, or, when the
+    agent restored without copies, the file it would have been, read from the store's chunks
+    that ``sources.json`` names (:class:`_read.SourcedFile`: each read only while it is the
+    chunk the agent checked)."""
+    tensors_path = os.path.join(d, _RESTORED)
+    path = os.path.join(d, _RESTORED_SOURCES)
+    if os.path.lexists(tensors_path) or not os.path.lexists(path):
+        return _read.TensorFile(tensors_path)
+    from ._load_from import _chunk_path, _local_root
+
+    doc = _read_object(path)
+    version = doc.get("version")
+    if version not in _RESTORED_SOURCES_VERSIONS or not _is_int(version):
+        raise FormatError(f"{path}: unknown version {_describe(version)} (this client reads "
+                          f"{', '.join(map(str, _RESTORED_SOURCES_VERSIONS))})")
+    store = _get(path, doc, "store", str)
+    header = _get(path, doc, "header", str)
+    size = _get_int(path, doc, "bytes", 0, 2**63 - 1)
+    if doc.get("name") != _RESTORED:
+        raise FormatError(f"{path}: names {_describe(doc.get('name'))}, not {_RESTORED}")
+    root = _local_root(store)
+    try:
+        f = _read.SourcedFile(tensors_path, header.encode(), size)
+    except UnicodeEncodeError as e:
+        raise FormatError(f"{path}: the header is not UTF-8 ({e.reason} at {e.start})") from None
+    try:
+        for i, src in enumerate(_get(path, doc, "sources", list)):
+            where = f"{path}: sources[{i}]"
+            if not isinstance(src, dict):
+                raise FormatError(f"{where} is {_describe(src)}, not an object")
+            f.add(_chunk_path(root, store, src.get("path"), where), src.get("dev"), src.get("ino"),
+                  src.get("bytes"), src.get("ctime_ns"), src.get("ranges"))
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 def _read_restored(d, shards=None, into=None):
@@ -247,8 +294,7 @@ def _read_restored(d, shards=None, into=None):
     some of the file straight into (name -> tensor, see :meth:`_read.TensorFile.read`)."""
     path = os.path.join(d, _RESTORED_META)
     step, r, world, rest = _restored_meta(_read_object(path), path)
-    tensors_path = os.path.join(d, _RESTORED)
-    with _read.TensorFile(tensors_path) as f:
+    with _open_restored(d) as f:
         found = _check_restored(f, d, path, step, r, world)
         if shards is not None:
             shards.update(found)

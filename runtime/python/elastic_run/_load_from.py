@@ -128,6 +128,24 @@ def _local_root(url):
     return _normal(path)
 
 
+def _chunk_path(root, url, path, where):
+    """A chunk file that a restore names (a ``source`` event, or a restore's ``sources.json``),
+    in normal form: an absolute path inside ``root``, the directory of the store ``url``, with
+    no ``..`` and nothing a file name cannot hold."""
+    try:
+        if not isinstance(path, str) or not os.path.isabs(path) or "\0" in path or ".." in path.split("/") \
+                or root is None:
+            raise ValueError(path)
+        os.fsencode(path)  # a lone surrogate cannot name a file
+        normal = _normal(path)
+        if normal == root or os.path.commonpath([root, normal]) != root:
+            raise ValueError(path)
+        return normal
+    except (UnicodeError, ValueError):
+        raise FormatError(f"{where}: the restore names the chunk {_describe(path)}, not a file in the store "
+                          f"{url}") from None
+
+
 def _normal(path):
     """An absolute path in normal form: one leading slash (``normpath`` keeps two)."""
     return "/" + os.path.normpath(path).lstrip("/")
@@ -351,20 +369,7 @@ class _Overlapped:
         self.reader = _read.RangedRead(self.file, into, release_fd=self.release_fd)
 
     def _source_path(self, path, where):
-        """A chunk file a ``source`` event names, in normal form: an absolute path inside the
-        store's directory, with no ``..`` and nothing a file name cannot hold."""
-        try:
-            if not isinstance(path, str) or not os.path.isabs(path) or "\0" in path or ".." in path.split("/") \
-                    or self.root is None:
-                raise ValueError(path)
-            os.fsencode(path)  # a lone surrogate cannot name a file
-            normal = _normal(path)
-            if normal == self.root or os.path.commonpath([self.root, normal]) != self.root:
-                raise ValueError(path)
-            return normal
-        except (UnicodeError, ValueError):
-            raise FormatError(f"{where}: the restore names the chunk {_describe(path)}, not a file in the store "
-                              f"{self.url}") from None
+        return _chunk_path(self.root, self.url, path, where)
 
     def _open_written(self, path, name, step):
         """``(TensorFile, descriptor for writing)`` of the file a ``file`` event of ``step``
@@ -444,9 +449,9 @@ def _from_dir(d, state, step, strict):
 
     shards = {}
     ranks = sorted(n for n in os.listdir(d) if n.startswith("rank-") and os.path.isdir(os.path.join(d, n)))
-    if is_file(_RESTORED) and is_file(_RESTORED_META):
+    if _load._has_restored(d) and is_file(_RESTORED_META):
         got, tensors, rest = _load._read_restored(d, shards=shards)
-    elif os.path.isfile(os.path.join(d, f"rank-{rank()}", _RESTORED)):
+    elif _load._has_restored(os.path.join(d, f"rank-{rank()}")):
         got, tensors, rest = _load._read_restored(os.path.join(d, f"rank-{rank()}"), shards=shards)
     elif any(is_file(r, "meta.json") for r in ranks):
         got, tensors, rest = _load._read_staged(d, shards=shards)

@@ -40,6 +40,10 @@ _META = "meta.json"
 # directory.
 _RESTORED = "state.safetensors"
 _RESTORED_META = "metadata.json"
+# In place of _RESTORED when the agent restored without copies (--restore-no-copy): where the
+# bytes of the file it did not write lie in the store's chunks (runtime/worker/src/protocol.rs).
+_RESTORED_SOURCES = "sources.json"
+_RESTORED_SOURCES_VERSIONS = (1,)
 _RESTORED_MARKER = "restored.json"
 # The restore metadata versions this client reads (``metadata.json`` has no version field yet;
 # a future one must say so).

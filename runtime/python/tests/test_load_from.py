@@ -286,6 +286,67 @@ class LoadFrom(tc.TorchEnv):
                     er.load_from(url, self.state(8))
                 self.assertTrue(replaced[0].startswith(bucket + "/"), replaced)
 
+    def test_a_restore_without_copies_loads_from_the_chunks_its_sources_name(self):
+        """The agent's restore with --restore-no-copy: rank-R/sources.json (built here from
+        `elastic-ckpt restore --no-copy`'s events, as the agent builds it) in place of
+        state.safetensors; `load` reads every byte from the store's chunks."""
+        saved, _, url = self.commit(big=600_000)
+        rank_dir = os.path.join(self.tmp.name, "resume", "rank-0")
+        p = self.ckpt("restore", url, rank_dir, "--rank", "0", "--world-size", "1", "--events", "--no-copy")
+        events = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+        [head] = [e for e in events if e["event"] == "header"]
+        doc = {"version": 1, "store": url, "step": 5, "name": head["name"], "bytes": head["bytes"],
+               "header": head["header"],
+               "sources": [{k: e[k] for k in ("path", "bytes", "dev", "ino", "ctime_ns", "ranges")}
+                           for e in events if e["event"] == "source"]}
+        self.assertGreater(len(doc["sources"]), 2)
+        sources = os.path.join(rank_dir, "sources.json")
+
+        def write(d):
+            with open(sources, "w") as f:
+                json.dump(d, f)
+
+        write(doc)
+        self.assertEqual(sorted(os.listdir(rank_dir)), ["metadata.json", "sources.json"])
+        resume = os.path.dirname(rank_dir)
+        fresh = self.state(7)
+        self.assertEqual(er.load(fresh, resume_dir=resume), 5)
+        self.assert_same(saved, fresh)
+        self.assertTrue(self.torch.equal(fresh["progress"]["big"], saved["progress"]["big"]))
+        # load_from reads the same directory.
+        fresh = self.state(8)
+        self.assertEqual(er.load_from(resume, fresh), 5)
+        self.assert_same(saved, fresh)
+
+        # What is refused, naming it, with nothing read into the state.
+        outside = dict(doc["sources"][0], path="/etc/passwd")
+        for what, d, error in (
+            ("a chunk outside the store", dict(doc, sources=[outside] + doc["sources"][1:]),
+             "not a file in the store"),
+            ("an unknown version", dict(doc, version=2), "unknown version 2"),
+            ("a bool for a version", dict(doc, version=True), "unknown version"),
+            ("bytes left without a source", dict(doc, sources=doc["sources"][1:]), "before the restore said"),
+            ("another file's name", dict(doc, name="tensors.safetensors"), "not state.safetensors"),
+        ):
+            with self.subTest(what):
+                write(d)
+                fresh = self.state(9)
+                before = fresh["model"].state_dict()["0.weight"].clone()
+                with self.assertRaisesRegex(er.FormatError, error):
+                    er.load(fresh, resume_dir=resume)
+                if what != "bytes left without a source":  # refused before any read
+                    self.assertTrue(self.torch.equal(fresh["model"].state_dict()["0.weight"], before))
+        write(doc)
+
+        # A chunk rewritten in place after the agent checked it is not read.
+        chunk = doc["sources"][0]["path"]
+        with open(chunk, "r+b") as f:
+            data = f.read()
+            f.seek(0)
+            f.write(data)
+        with self.assertRaisesRegex(er.FormatError, "not the chunk the restore checked"):
+            er.load(self.state(9), resume_dir=resume)
+
     def test_a_newest_step_that_breaks_midway_is_dropped_for_the_older_one_whole(self):
         from elastic_run import _load_from
 

@@ -77,6 +77,10 @@ pub(super) async fn start(
         store_config,
         keep_steps: cli.checkpoint_keep_last,
         keep_every: cli.checkpoint_keep_every,
+        read: checkpoint::ReadOptions {
+            no_copy: cli.restore_no_copy,
+            ..Default::default()
+        },
         ..SinkOptions::default()
     };
     let sink = StoreSink::open(&url, staging.join(RESTORE_DIR), sink_opts)

@@ -373,6 +373,16 @@ pub struct Cli {
           value_parser = parse_bool_env)]
     pub warm_standby: bool,
 
+    /// Resume from a `file://` store without copying: the agent checks the resume step's raw
+    /// chunks where they lie and writes no `state.safetensors` into staging, only where its
+    /// bytes lie (`rank-R/sources.json`), and `elastic_run.load` reads each tensor from the
+    /// chunks. For workers that load through the Python client; compressed chunks and remote
+    /// stores are restored into staging as without it.
+    #[arg(long = "restore-no-copy", env = "ELASTIC_RESTORE_NO_COPY", num_args = 0,
+          default_missing_value = "1", default_value = "0", action = clap::ArgAction::Set,
+          value_parser = parse_bool_env)]
+    pub restore_no_copy: bool,
+
     /// Restart the workers when none reports progress (`elastic_run.report_progress`) for this
     /// long once they started reporting. Off by default; workers that never report must not
     /// set it.

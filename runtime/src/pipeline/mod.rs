@@ -12,6 +12,7 @@
 mod commit;
 mod restore;
 mod sink;
+mod sources;
 #[cfg(test)]
 mod tests;
 mod tracker;

@@ -3,7 +3,10 @@
 //! # Restoring
 //!
 //! ```text
-//! <restore_root>/step-<N>/rank-<R>/state.safetensors   what rank R needs (DDP: every tensor)
+//! <restore_root>/step-<N>/rank-<R>/state.safetensors   what rank R needs (DDP: every tensor),
+//!                                                      or, restored without copies,
+//! <restore_root>/step-<N>/rank-<R>/sources.json        where its bytes lie in the store's
+//!                                                      chunks (`sources`)
 //! <restore_root>/step-<N>/rank-<R>/metadata.json       the checkpoint crate's restore metadata:
 //!                                                      step, rank, world_size, saved_world_size,
 //!                                                      metadata {"elastic", "state"}
@@ -28,8 +31,10 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::worker_env::ResumePoint;
+use worker::protocol::RESTORED_SOURCES;
 
 use super::sink::*;
+use super::sources::rank_tensors_present;
 
 impl StoreSink {
     /// Restores `step` for this node's `ranks` of a `world_size` world into
@@ -187,10 +192,9 @@ impl StoreSink {
                     blocking(move || remove_if_exists(&tmp)).await?;
                 }
                 let report = tokio::select! {
-                    res = self.store.restore(Some(step), r, world_size, &tmp, &self.opts.read, cancel) => res,
+                    res = self.restore_rank(step, r, world_size, &tmp, cancel) => res,
                     () = cancel.cancelled() => return Err(cancelled()),
-                }
-                .map_err(|source| self.restore_error(step, r, world_size, source, cancel))?;
+                }?;
                 if report.step != step || report.rank != r || report.world_size != world_size {
                     return Err(SinkError::Local {
                         path: tmp,
@@ -361,7 +365,7 @@ pub(super) fn remove_rank_dirs(dir: &Path) -> Result<(), SinkError> {
 
 pub(super) fn rank_files_present(dir: &Path, rank: u32) -> bool {
     let d = dir.join(format!("rank-{rank}"));
-    d.join(RESTORE_FILE).is_file() && d.join(RESTORE_METADATA_FILE).is_file()
+    rank_tensors_present(&d) && d.join(RESTORE_METADATA_FILE).is_file()
 }
 
 pub(super) fn sync_dir(dir: &Path) -> Result<(), SinkError> {
@@ -390,7 +394,7 @@ pub(super) fn write_marker(dir: &Path, r: &Restored) -> Result<(), SinkError> {
 
 /// Moves a finished restore of `rank` (in `tmp`) to `dir/rank-<rank>`.
 pub(super) fn install_rank(dir: &Path, tmp: &Path, rank: u32) -> Result<(), SinkError> {
-    if !tmp.join(RESTORE_FILE).is_file() || !tmp.join(RESTORE_METADATA_FILE).is_file() {
+    if !rank_tensors_present(tmp) || !tmp.join(RESTORE_METADATA_FILE).is_file() {
         return Err(SinkError::Local {
             path: tmp.to_path_buf(),
             reason: format!("the restore of rank {rank} left no {RESTORE_FILE}"),
@@ -450,7 +454,13 @@ pub(super) fn link_rank(dir: &Path, from: u32, to: u32, world_size: u32) -> Resu
     let tmp = dir.join(format!("{TMP_PREFIX}rank-{to}"));
     remove_if_exists(&tmp)?;
     create_private_dir_all(&tmp)?;
-    let (a, b) = (src.join(RESTORE_FILE), tmp.join(RESTORE_FILE));
+    // The tensors, or where they lie in the store's chunks (a restore without copies).
+    let name = if src.join(RESTORE_FILE).is_file() {
+        RESTORE_FILE
+    } else {
+        RESTORED_SOURCES
+    };
+    let (a, b) = (src.join(name), tmp.join(name));
     if std::fs::hard_link(&a, &b).is_err() {
         std::fs::copy(&a, &b).map_err(io("copy", &a))?;
         std::fs::File::open(&b)

@@ -882,7 +882,9 @@ fn resuming_at_the_same_world_size_gives_bitwise_equal_weights() {
     assert_eq!(digest(&resumed), digest(&straight));
 
     // A bit flips in the newest committed step: the agent warns, naming the object, resumes
-    // from the step before, and the weights still come out bitwise equal.
+    // from the step before, and the weights still come out bitwise equal. This time the
+    // agent restores without copies (`--restore-no-copy`): it checks the raw chunks where they
+    // lie, and the workers' `elastic_run.load` reads them there.
     let ck = tmp.path().join("c");
     let (first, _) = train_with(&ck, 12, &["--checkpoint-interval", "5"]);
     let steps = committed_steps(&format!("file://{}", ck.display()));
@@ -895,11 +897,22 @@ fn resuming_at_the_same_world_size_gives_bitwise_equal_weights() {
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0x01;
     std::fs::write(&chunk, bytes).unwrap();
-    let (out, err) = train_with(&ck, 30, &["--warm-standby"]);
+    let (out, err) = train_with(&ck, 30, &["--warm-standby", "--restore-no-copy"]);
     assert!(
         out.contains(&format!("resumed from step {before} ")),
         "{out}"
     );
+    let restored = tmp.path().join(format!("staging/.restore/step-{before}"));
+    for r in 0..2 {
+        let rank = restored.join(format!("rank-{r}"));
+        assert!(
+            rank.join("sources.json").is_file() && !rank.join("state.safetensors").exists(),
+            "{}: {:?}",
+            rank.display(),
+            std::fs::read_dir(&rank)
+                .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
+        );
+    }
     assert_eq!(warm(&err), 2, "{err}");
     assert!(
         err.contains("000000.bin") && err.contains("falling back"),

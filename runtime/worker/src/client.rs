@@ -27,8 +27,8 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde_json::Value;
 
 use crate::protocol::{
-    self, FORMAT_VERSION, MESSAGE_BYTES_MAX, METADATA_BYTES_MAX, RESTORED_META, RESTORED_TENSORS,
-    Request, STAGED_META, STAGED_TENSORS, StagedMeta,
+    self, FORMAT_VERSION, MESSAGE_BYTES_MAX, METADATA_BYTES_MAX, RESTORED_META, RESTORED_SOURCES,
+    RESTORED_TENSORS, Request, STAGED_META, STAGED_TENSORS, StagedMeta,
 };
 
 /// Progress reports are rate-limited: the watchdog works in seconds, not steps.
@@ -423,7 +423,8 @@ impl Worker {
     }
 
     /// The step the agent restored for this rank (`$ELASTIC_RESUME_DIR/rank-$RANK/`), or
-    /// `None` when the job starts fresh.
+    /// `None` when the job starts fresh. Restored without copies (`sources.json`), the
+    /// tensors are read from the store's chunks that the agent checked.
     pub fn load_tensors(&self) -> Result<Option<Loaded>, WorkerError> {
         let Some(dir) = &self.resume_dir else {
             return Ok(None);
@@ -436,8 +437,16 @@ impl Worker {
             reason: "no step".into(),
         })?;
         let state = meta["metadata"]["state"].clone();
-        let tpath = mine.join(RESTORED_TENSORS);
-        let bytes = std::fs::read(&tpath).map_err(io("read", &tpath))?;
+        let mut tpath = mine.join(RESTORED_TENSORS);
+        let sources = mine.join(RESTORED_SOURCES);
+        let bytes = if !tpath.exists() && sources.is_file() {
+            // Restored without copies: the bytes lie in the store's chunks.
+            let b = crate::sources::assemble(&sources, &read_json(&sources)?)?;
+            tpath = sources;
+            b
+        } else {
+            std::fs::read(&tpath).map_err(io("read", &tpath))?
+        };
         let st = SafeTensors::deserialize(&bytes).map_err(|e| WorkerError::Format {
             path: tpath.clone(),
             reason: e.to_string(),

@@ -38,5 +38,6 @@
 
 mod client;
 pub mod protocol;
+mod sources;
 
 pub use client::{Loaded, SnapshotTensor, Worker, WorkerError, assign_keys};

@@ -75,8 +75,23 @@
 //!                                                   "metadata": {"elastic": {...}, "state": {...}}}
 //! ```
 //!
-//! ([`RESTORED_TENSORS`], [`RESTORED_META`].) Metadata files on either side are read up to
-//! [`METADATA_BYTES_MAX`] bytes.
+//! An agent run with `--restore-no-copy` that resumes from a `file://` store whose chunks are
+//! raw writes no `state.safetensors`: it checks each chunk where it lies and writes
+//!
+//! ```text
+//! $ELASTIC_RESUME_DIR/rank-<R>/sources.json        {"version": 1, "store", "step", "name",
+//!                                                   "bytes", "header", "sources": [{"path",
+//!                                                   "bytes", "dev", "ino", "ctime_ns",
+//!                                                   "ranges": [[at, length, offset], ...]}]}
+//! ```
+//!
+//! instead: the file `state.safetensors` would have been (`bytes` long, its safetensors header
+//! `header`), and where each range of it lies in the store's chunk files, each as it was when
+//! checked (device, inode, length, inode change time). A reader reads there only while a chunk
+//! is still that file, unchanged.
+//!
+//! ([`RESTORED_TENSORS`], [`RESTORED_SOURCES`], [`RESTORED_META`].) Metadata files on either
+//! side are read up to [`METADATA_BYTES_MAX`] bytes.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -105,6 +120,11 @@ pub const STAGED_TENSORS: &str = "tensors.safetensors";
 pub const STAGED_META: &str = "meta.json";
 /// A restored rank's tensor file (the `checkpoint` crate's `RESTORE_FILE`).
 pub const RESTORED_TENSORS: &str = "state.safetensors";
+/// Where a restored rank's tensor bytes lie in a `file://` store's chunks, in place of
+/// [`RESTORED_TENSORS`] (an agent run with `--restore-no-copy`).
+pub const RESTORED_SOURCES: &str = "sources.json";
+/// The version of [`RESTORED_SOURCES`].
+pub const RESTORED_SOURCES_VERSION: u32 = 1;
 /// A restored rank's metadata (the `checkpoint` crate's `RESTORE_METADATA_FILE`).
 pub const RESTORED_META: &str = "metadata.json";
 
