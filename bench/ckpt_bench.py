@@ -482,6 +482,30 @@ def bench_restore(a, model, opt, base, disk, moto):
                     "fetch_rss_rise_mib": js["rss_rise_bytes"] / 2**20}
         return run
 
+    def m_agent(kind, world, no_copy):
+        """elastic-run's own resume path: the agent's restore (``StoreSink::restore``, through
+        ``bench_store agent-restore``) of rank 0 of ``world``, with ``--restore-no-copy`` or
+        without, then ``elastic_run.load`` from the directory it laid out."""
+        def run():
+            root = os.path.join(base, "agent-restore")
+            rm(root)
+            wipe(model, opt)
+            t0 = time.perf_counter()
+            _, js = run_tool([store, "agent-restore", urls[kind], root, "--step", "1", "--rank", "0",
+                              "--world", str(world)] + (["--no-copy"] if no_copy else []),
+                             env if kind.startswith("s3") else None)
+            t1 = time.perf_counter()
+            er_env(base, 0, world)
+            step, _ = er.load(model=model, optimizer=opt, resume_dir=js["dir"])
+            t2 = time.perf_counter()
+            assert step == 1, step
+            if kind == "file" and js["copied"] == no_copy:
+                raise RuntimeError(f"the agent's restore copied={js['copied']} with no_copy={no_copy}")
+            check()
+            rm(root)
+            return {"restore_s": t2 - t0, "fetch_s": js["seconds"], "fetch_process_s": t1 - t0, "load_s": t2 - t1}
+        return run
+
     def m_from(kind, world, into=True):
         """elastic_run.load_from(URL): the restore (elastic-ckpt restore --events) with the
         load overlapped, read into the model and optimizer. From S3 the restore writes into
@@ -568,9 +592,13 @@ def bench_restore(a, model, opt, base, disk, moto):
         ("checkpoint restore + elastic_run.load, world 2->2 (file)", m_er("file", 2)),
         ("checkpoint restore + elastic_run.load, world 2->2 (file, cold cache)", cold(m_er("file", 2))),
         ("elastic_run.load_from, world 2->2 (file, cold cache)", cold(m_from("file", 2))),
+        ("agent restore --restore-no-copy + elastic_run.load, world 2->2 (file, cold cache)",
+         cold(m_agent("file", 2, True))),
         ("dcp.load (file, cold cache)", cold(m_dcp)),
         ("raw object_store get of the step (file, cold cache)", cold(m_raw("file"))),
         ("elastic_run.load_from, world 2->2 (file)", m_from("file", 2)),
+        ("agent restore --restore-no-copy + elastic_run.load, world 2->2 (file)", m_agent("file", 2, True)),
+        ("agent restore + elastic_run.load, world 2->2 (file)", m_agent("file", 2, False)),
         ("checkpoint restore + elastic_run.load, world 2->3 (file)", m_er("file", 3)),
         ("raw object_store get of the step (file)", m_raw("file")),
         ("checkpoint restore only, row-sharded state, world 2->2 (file)", m_shard(2)),

@@ -12,6 +12,11 @@
 //!         the bytes it read (`Store::read_stats`: every GET and local read of an object,
 //!         manifests included), and the peak resident size it rose to over the start (`VmHWM`
 //!         after it, over `VmRSS` before).
+//!     bench_store agent-restore URL ROOT --step N --rank R --world W [--no-copy] [--concurrency 8]
+//!         The agent's own restore (`runtime::pipeline::StoreSink::restore`, as `elastic-run`
+//!         restores a resume step) of rank R of W into `ROOT/step-N/rank-R/`; with `--no-copy`,
+//!         as `elastic-run --restore-no-copy` does it (`sources.json` in place of the state file,
+//!         where the store allows it).
 //!
 //! URLs: `file:///abs/dir` or `s3://bucket/prefix` (S3 settings from `AWS_*`, as the agent reads
 //! them). Defaults match the agent's: 32 MiB chunks, 4 uploads and 8 reads in flight.
@@ -193,6 +198,37 @@ async fn restore(
     }))
 }
 
+async fn agent_restore(
+    url: &str,
+    root: &Path,
+    step: u64,
+    rank: u32,
+    world: u32,
+    no_copy: bool,
+    concurrency: usize,
+) -> Result<serde_json::Value> {
+    let opts = runtime::pipeline::SinkOptions {
+        read: checkpoint::ReadOptions {
+            concurrency: concurrency.max(1),
+            no_copy,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let _ = std::fs::remove_dir_all(root);
+    let sink = runtime::pipeline::StoreSink::open(url, root.to_path_buf(), opts)?;
+    let cancel = checkpoint::CancellationToken::new();
+    let t = Instant::now();
+    let point = sink.restore(step, rank..rank + 1, world, &cancel).await?;
+    let secs = t.elapsed().as_secs_f64();
+    let mine = point.dir.join(format!("rank-{rank}"));
+    Ok(serde_json::json!({
+        "op": "agent-restore", "seconds": secs, "step": point.step, "rank": rank, "world": world,
+        "dir": point.dir, "bytes_from_store": point.bytes_from_store,
+        "copied": mine.join(checkpoint::restore::RESTORE_FILE).is_file(),
+    }))
+}
+
 fn flag<T: std::str::FromStr>(args: &mut Vec<String>, name: &str) -> Result<Option<T>> {
     let Some(i) = args.iter().position(|a| a == name) else {
         return Ok(None);
@@ -215,6 +251,10 @@ async fn main() -> Result<()> {
     let rank: Option<u32> = flag(&mut args, "--rank")?;
     let world: Option<u32> = flag(&mut args, "--world")?;
     let step: Option<u64> = flag(&mut args, "--step")?;
+    let no_copy = args
+        .iter()
+        .position(|a| a == "--no-copy")
+        .map(|i| args.remove(i));
     let out = match args.first().map(String::as_str) {
         Some("raw-put") if args.len() >= 3 => {
             let files: Vec<PathBuf> = args[2..].iter().map(PathBuf::from).collect();
@@ -240,8 +280,20 @@ async fn main() -> Result<()> {
             )
             .await?
         }
+        Some("agent-restore") if args.len() == 3 => {
+            agent_restore(
+                &args[1],
+                Path::new(&args[2]),
+                step.context("agent-restore needs --step")?,
+                rank.unwrap_or(0),
+                world.unwrap_or(1),
+                no_copy.is_some(),
+                concurrency.unwrap_or(GET_CONCURRENCY_DEFAULT),
+            )
+            .await?
+        }
         _ => bail!(
-            "usage: bench_store raw-put URL FILE... | raw-get URL | restore URL DEST --rank R --world W [--step N]"
+            "usage: bench_store raw-put URL FILE... | raw-get URL | restore URL DEST --rank R --world W [--step N] | agent-restore URL ROOT --step N --rank R --world W [--no-copy]"
         ),
     };
     println!("{out}");
