@@ -11,9 +11,11 @@ methods alternating within every repetition:
   step committed to a `file://` store (`elastic-ckpt push`, the agent's upload and commit path),
   against `dcp.save` of the same DTensor state (its FileSystemWriter fsyncs);
 - restore into the model: `elastic-ckpt restore` of each rank's rows plus `elastic_run.load`
-  (the agent's path), and `elastic_run.load_from(URL)` (the store's raw chunks checked where
-  they lie and read into the model), against `dcp.load` plus `set_state_dict`. Every restore
-  is checked against the saved local shards, bitwise.
+  (the agent's path), the agent's own restore with `--restore-no-copy` (`bench_store
+  agent-restore --no-copy`: each rank's rows checked where they lie, `sources.json` written)
+  plus `elastic_run.load`, and `elastic_run.load_from(URL)` (the store's raw chunks checked
+  where they lie and read into the model), against `dcp.load` plus `set_state_dict`. Every
+  restore is checked against the saved local shards, bitwise.
 
 `export`: one model's weights (L x nn.Linear(2048, 2048), --size-gib of parameters), committed
 by `elastic_run.save`; `elastic-ckpt export` to Hugging Face safetensors against what a DCP user
@@ -22,7 +24,7 @@ does for the same files: `dcp.load` of the step into freshly allocated tensors, 
 wait4), and both outputs checked equal.
 
 Prints one JSON object per measurement on stdout (progress on stderr). Tools come from
-$ELASTIC_CKPT (bench/build.sh).
+$ELASTIC_CKPT and $BENCH_STORE (bench/build.sh).
 """
 import argparse
 import gc
@@ -173,6 +175,7 @@ def fsdp_worker(rank, world, port, a, q):
             return {"s": time.perf_counter() - t, "peak_rss_rise_mib": rise / 2**20, **extra}
 
         steps = iter(range(1, 10**6))
+        saved = {}  # the step the last save committed
 
         def er_save():
             step = next(steps)
@@ -192,6 +195,7 @@ def fsdp_worker(rank, world, port, a, q):
             dist.barrier()
             t2 = time.perf_counter()
             rm(os.path.join(base, f"step-{step}"))
+            saved["step"] = step
             return {"step": step, "stage_s": t1 - t0, "push_s": t2 - t1}
 
         def dcp_save():
@@ -211,6 +215,22 @@ def fsdp_worker(rank, world, port, a, q):
             er.load(state, resume_dir=dest)
             return {"fetch_process_s": t1 - t0, "load_s": time.perf_counter() - t1}
 
+        def er_agent_no_copy():
+            # The agent's own restore (StoreSink) with --restore-no-copy: each rank's rows
+            # checked where they lie, rank-R/sources.json written, read by elastic_run.load.
+            root = os.path.join(base, "restore", f"agent-{rank}")
+            wipe()
+            t0 = time.perf_counter()
+            p = subprocess.run([tool("BENCH_STORE"), "agent-restore", url, root, "--step", str(saved["step"]),
+                                "--rank", str(rank), "--world", str(world), "--no-copy"],
+                               check=True, capture_output=True, text=True)
+            js = json.loads(p.stdout.strip().splitlines()[-1])
+            if js["copied"]:
+                raise RuntimeError("the agent's restore wrote the state file with --no-copy")
+            t1 = time.perf_counter()
+            er.load(state, resume_dir=js["dir"])
+            return {"fetch_process_s": t1 - t0, "load_s": time.perf_counter() - t1}
+
         def er_load_from():
             # Each rank's rows, from the store straight into the model (a file:// store of raw
             # chunks: checked where they lie, nothing staged).
@@ -228,6 +248,8 @@ def fsdp_worker(rank, world, port, a, q):
 
         methods = [("elastic_run.save + commit (file)", "save", er_save), ("dcp.save (file)", "save", dcp_save)]
         restores = [("elastic-ckpt restore + elastic_run.load, 2->2 (file)", "restore", er_restore),
+                    ("agent restore --restore-no-copy + elastic_run.load, 2->2 (file)", "restore",
+                     er_agent_no_copy),
                     ("elastic_run.load_from, 2->2 (file)", "restore", er_load_from),
                     ("dcp.load + set_state_dict, 2->2 (file)", "restore", dcp_restore)]
         for rep in range(-a.warmup, a.reps):

@@ -1,6 +1,7 @@
 """A job that resumes from its checkpoints, from the launcher's start to its first step done,
-side by side: `elastic-run --standalone` with and without `--warm-standby` (the standbys
-import torch while the agent restores), and `torchrun --standalone` with `dcp.load`.
+side by side: `elastic-run --standalone` as it is, with `--warm-standby` (the standbys import
+torch while the agent restores) and with `--restore-no-copy`, and `torchrun --standalone` with
+`dcp.load`.
 
     python bench/resume_start.py --hidden 11000 --nproc 2 --reps 5
 
@@ -14,6 +15,8 @@ prints step 3:
   `elastic_run.load` reads it;
 - `elastic-run --warm-standby`: the same, its workers started in standbys that the agent
   started before it restored;
+- `elastic-run --restore-no-copy`: the agent checks the step's raw chunks where they lie and
+  writes only where its bytes lie (`sources.json`); `elastic_run.load` reads them there;
 - `torchrun` + `dcp.load`: the workers start, build the model, and `dcp.load` step 2 through
   `get_state_dict`/`set_state_dict`.
 Each row also gives what the agent's log says of its restore (`ms`) and how many workers
@@ -78,10 +81,9 @@ def launch(argv, first_step, cwd):
     return seen, out, err
 
 
-def elastic_argv(a, store, steps, standby):
+def elastic_argv(a, store, steps, flags=()):
     binary = os.environ.get("ELASTIC_RUN") or os.path.join(REPO, "target", "release", "elastic-run")
-    return [binary, "--standalone", "--nproc-per-node", str(a.nproc), "--checkpoint-url", store,
-            *(["--warm-standby"] if standby else []), "--",
+    return [binary, "--standalone", "--nproc-per-node", str(a.nproc), "--checkpoint-url", store, *flags, "--",
             PY, "examples/ddp_train.py", "--hidden", str(a.hidden), "--steps", str(steps)]
 
 
@@ -160,21 +162,22 @@ def main():
         # Each resume commits step 3 as it ends: it runs on a copy of the store holding step 2.
         saved, store = os.path.join(tmp, "saved"), os.path.join(tmp, "store")
         dcp_dir = os.path.join(tmp, "dcp")
-        launch(elastic_argv(a, "file://" + saved, 2, False), 2, REPO)
+        launch(elastic_argv(a, "file://" + saved, 2), 2, REPO)
         launch(torchrun_argv(a, "save", dcp_dir), 2, REPO)
         t = time.perf_counter()
         subprocess.run([PY, "-c", "import torch"], env=env_of(), check=True)
         print(json.dumps({"import_torch_s": round(time.perf_counter() - t, 3)}), flush=True)
-        systems = ["elastic-run", "elastic-run --warm-standby", "torchrun + dcp.load"]
+        systems = ["elastic-run", "elastic-run --warm-standby", "elastic-run --restore-no-copy",
+                   "torchrun + dcp.load"]
         for rep in range(a.reps):
-            for system in systems[rep % 3:] + systems[:rep % 3]:
+            for system in systems[rep % len(systems):] + systems[:rep % len(systems)]:
                 row = {"system": system, "rep": rep, "hidden": a.hidden, "nproc": a.nproc}
                 if system == "torchrun + dcp.load":
                     s, _, _ = launch(torchrun_argv(a, "load", dcp_dir), 3, REPO)
                 else:
                     shutil.rmtree(store, ignore_errors=True)
                     shutil.copytree(saved, store)
-                    argv = elastic_argv(a, "file://" + store, 3, system.endswith("standby"))
+                    argv = elastic_argv(a, "file://" + store, 3, system.split()[1:])
                     s, out, err = launch(argv, 3, REPO)
                     if "resumed from step 2 " not in out:
                         raise RuntimeError(f"{system} did not resume from step 2:\n{out[-3000:]}")

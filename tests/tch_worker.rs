@@ -1,6 +1,6 @@
 //! The Rust worker API with tch: `examples/tch_train.rs` under `elastic-run`, drained by
-//! SIGTERM and resumed from the checkpoint store, ends bitwise equal to an uninterrupted run;
-//! and its snapshot split agrees with the Python client's.
+//! SIGTERM and resumed from the checkpoint store (without copies), ends bitwise equal to an
+//! uninterrupted run; and its snapshot split agrees with the Python client's.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -104,10 +104,21 @@ fn tch_worker_drains_and_resumes_bitwise_equal() {
         .and_then(|s| s.split_whitespace().next()?.parse().ok())
         .unwrap_or_else(|| panic!("no drain in:\n{seen}"));
     assert!(stopped < 60, "{seen}");
-    let resumed = finish(&mut run_tch(&ck, &tmp.path().join("sb2"), 60, 0));
+    // Resumed without copies (`--restore-no-copy`): the agent checks the raw chunks where
+    // they lie, and the Rust client reads the tensors from them.
+    let resumed =
+        finish(run_tch(&ck, &tmp.path().join("sb2"), 60, 0).env("ELASTIC_RESTORE_NO_COPY", "1"));
     assert!(
         resumed.contains(&format!("resumed from step {stopped} ")),
         "{resumed}"
+    );
+    let rank = tmp
+        .path()
+        .join(format!("sb2/.restore/step-{stopped}/rank-0"));
+    assert!(
+        rank.join("sources.json").is_file() && !rank.join("state.safetensors").exists(),
+        "{}",
+        rank.display()
     );
     assert_ne!(
         digest(&seen),

@@ -375,9 +375,9 @@ pub struct Cli {
 
     /// Resume from a `file://` store without copying: the agent checks the resume step's raw
     /// chunks where they lie and writes no `state.safetensors` into staging, only where its
-    /// bytes lie (`rank-R/sources.json`), and `elastic_run.load` reads each tensor from the
-    /// chunks. For workers that load through the Python client; compressed chunks and remote
-    /// stores are restored into staging as without it.
+    /// bytes lie (`rank-R/sources.json`), and `elastic_run.load` (or the Rust client) reads
+    /// each tensor from the chunks. A script that opens `state.safetensors` itself needs it
+    /// off; compressed chunks and remote stores are restored into staging as without it.
     #[arg(long = "restore-no-copy", env = "ELASTIC_RESTORE_NO_COPY", num_args = 0,
           default_missing_value = "1", default_value = "0", action = clap::ArgAction::Set,
           value_parser = parse_bool_env)]
