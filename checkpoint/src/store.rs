@@ -231,7 +231,7 @@ impl Store {
     }
 
     /// On `file://`, the store's root directory.
-    pub(crate) fn local_root(&self) -> Option<&std::path::Path> {
+    pub fn local_root(&self) -> Option<&std::path::Path> {
         self.local_root.as_deref()
     }
 

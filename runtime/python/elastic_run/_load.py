@@ -257,7 +257,7 @@ def _open_restored(d):
     path = os.path.join(d, _RESTORED_SOURCES)
     if os.path.lexists(tensors_path) or not os.path.lexists(path):
         return _read.TensorFile(tensors_path)
-    from ._load_from import _chunk_path, _local_root
+    from ._load_from import _chunk_path, _normal
 
     doc = _read_object(path)
     version = doc.get("version")
@@ -269,7 +269,10 @@ def _open_restored(d):
     size = _get_int(path, doc, "bytes", 0, 2**63 - 1)
     if doc.get("name") != _RESTORED:
         raise FormatError(f"{path}: names {_describe(doc.get('name'))}, not {_RESTORED}")
-    root = _local_root(store)
+    root = _get(path, doc, "root", str)
+    if not os.path.isabs(root) or "\0" in root:
+        raise FormatError(f"{path}: root {_describe(root)} is not an absolute path")
+    root = _normal(root)
     try:
         f = _read.SourcedFile(tensors_path, header.encode(), size)
     except UnicodeEncodeError as e:

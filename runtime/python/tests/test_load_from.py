@@ -295,7 +295,7 @@ class LoadFrom(tc.TorchEnv):
         p = self.ckpt("restore", url, rank_dir, "--rank", "0", "--world-size", "1", "--events", "--no-copy")
         events = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
         [head] = [e for e in events if e["event"] == "header"]
-        doc = {"version": 1, "store": url, "step": 5, "name": head["name"], "bytes": head["bytes"],
+        doc = {"version": 1, "store": url, "root": url[len("file://"):], "step": 5, "name": head["name"], "bytes": head["bytes"],
                "header": head["header"],
                "sources": [{k: e[k] for k in ("path", "bytes", "dev", "ino", "ctime_ns", "ranges")}
                            for e in events if e["event"] == "source"]}
@@ -324,6 +324,8 @@ class LoadFrom(tc.TorchEnv):
             ("a chunk outside the store", dict(doc, sources=[outside] + doc["sources"][1:]),
              "not a file in the store"),
             ("an unknown version", dict(doc, version=2), "unknown version 2"),
+            ("a relative root", dict(doc, root="bucket"), "not an absolute path"),
+            ("chunks outside the root", dict(doc, root="/elsewhere"), "not a file in the store"),
             ("a bool for a version", dict(doc, version=True), "unknown version"),
             ("bytes left without a source", dict(doc, sources=doc["sources"][1:]), "before the restore said"),
             ("another file's name", dict(doc, name="tensors.safetensors"), "not state.safetensors"),

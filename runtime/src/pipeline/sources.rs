@@ -75,7 +75,14 @@ impl StoreSink {
             path: dest.join(RESTORED_SOURCES),
             reason,
         };
-        let doc = sources_doc(self.url(), step, &events).map_err(local)?;
+        let root = self
+            .store
+            .local_root()
+            .and_then(Path::to_str)
+            .ok_or_else(|| {
+                local("read without copies from a store that is not a local directory".into())
+            })?;
+        let doc = sources_doc(self.url(), root, step, &events).map_err(local)?;
         let bytes = serde_json::to_vec(&doc).map_err(|e| local(e.to_string()))?;
         if bytes.len() as u64 > METADATA_BYTES_MAX {
             tracing::warn!(
@@ -103,9 +110,10 @@ impl StoreSink {
     }
 }
 
-/// The `sources.json` of step `step` restored from `store` without copies, from the restore's
-/// events: its one `header` event and its `source` events.
-fn sources_doc(store: &str, step: u64, events: &[ReadEvent]) -> Result<Value, String> {
+/// The `sources.json` of step `step` restored from `store` (a local directory, `root`)
+/// without copies, from the restore's events: its one `header` event and its `source`
+/// events, each of a chunk inside `root`.
+fn sources_doc(store: &str, root: &str, step: u64, events: &[ReadEvent]) -> Result<Value, String> {
     let bad = |what: String| format!("step {step}: {what}");
     let mut head = None;
     let mut sources = Vec::new();
@@ -130,6 +138,9 @@ fn sources_doc(store: &str, step: u64, events: &[ReadEvent]) -> Result<Value, St
                 ctime_ns,
                 ranges,
             } if *s == step && name == RESTORE_FILE => {
+                if !path.starts_with(root) {
+                    return Err(bad(format!("chunk {} lies outside {root}", path.display())));
+                }
                 let path = path.to_str().ok_or_else(|| {
                     bad(format!("chunk {} is not named in UTF-8", path.display()))
                 })?;
@@ -145,6 +156,7 @@ fn sources_doc(store: &str, step: u64, events: &[ReadEvent]) -> Result<Value, St
     Ok(json!({
         "version": RESTORED_SOURCES_VERSION,
         "store": store,
+        "root": root,
         "step": step,
         "name": RESTORE_FILE,
         "bytes": bytes,
@@ -220,16 +232,19 @@ mod tests {
             ctime_ns: 3,
             ranges: vec![[10, 64, 0]],
         };
-        let doc = sources_doc("file:///s", 4, &[header(4), source]).unwrap();
+        let doc = sources_doc("file:///s", "/s", 4, &[header(4), source.clone()]).unwrap();
         assert_eq!(doc["version"], 1);
         assert_eq!(doc["store"], "file:///s");
+        assert_eq!(doc["root"], "/s");
         assert_eq!(doc["bytes"], 100);
         assert_eq!(doc["sources"][0]["ranges"], json!([[10, 64, 0]]));
-        assert!(sources_doc("file:///s", 4, &[]).is_err(), "no header");
-        assert!(sources_doc("file:///s", 4, &[header(4), header(4)]).is_err());
+        let doc = |root, events: &[ReadEvent]| sources_doc("file:///s", root, 4, events);
+        assert!(doc("/s", &[]).is_err(), "no header");
+        assert!(doc("/s", &[header(4), header(4)]).is_err());
+        assert!(doc("/s", &[header(3)]).is_err(), "another step");
         assert!(
-            sources_doc("file:///s", 4, &[header(3)]).is_err(),
-            "another step"
+            doc("/t", &[header(4), source]).is_err(),
+            "a chunk outside the root"
         );
     }
 

@@ -79,15 +79,15 @@
 //! raw writes no `state.safetensors`: it checks each chunk where it lies and writes
 //!
 //! ```text
-//! $ELASTIC_RESUME_DIR/rank-<R>/sources.json        {"version": 1, "store", "step", "name",
+//! $ELASTIC_RESUME_DIR/rank-<R>/sources.json        {"version": 1, "store", "root", "step", "name",
 //!                                                   "bytes", "header", "sources": [{"path",
 //!                                                   "bytes", "dev", "ino", "ctime_ns",
 //!                                                   "ranges": [[at, length, offset], ...]}]}
 //! ```
 //!
 //! instead: the file `state.safetensors` would have been (`bytes` long, its safetensors header
-//! `header`), and where each range of it lies in the store's chunk files, each as it was when
-//! checked (device, inode, length, inode change time). A reader reads there only while a chunk
+//! `header`), and where each range of it lies in the store's chunk files (under `root`, the
+//! store's directory), each as it was when checked (device, inode, length, inode change time). A reader reads there only while a chunk
 //! is still that file, unchanged.
 //!
 //! ([`RESTORED_TENSORS`], [`RESTORED_SOURCES`], [`RESTORED_META`].) Metadata files on either

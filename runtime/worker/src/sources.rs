@@ -7,7 +7,7 @@
 
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Component, Path};
 
 use serde_json::Value;
 
@@ -29,11 +29,21 @@ pub(crate) fn assemble(path: &Path, doc: &Value) -> Result<Vec<u8>, WorkerError>
     }
     let header = doc.get("header").and_then(Value::as_str);
     let size = doc.get("bytes").and_then(Value::as_u64);
-    let (Some(header), Some(size), Some(sources)) =
-        (header, size, doc.get("sources").and_then(Value::as_array))
-    else {
-        return Err(bad("no header, bytes or sources".into()));
+    let root = doc.get("root").and_then(Value::as_str).map(Path::new);
+    let (Some(header), Some(size), Some(sources), Some(root)) = (
+        header,
+        size,
+        doc.get("sources").and_then(Value::as_array),
+        root,
+    ) else {
+        return Err(bad("no header, bytes, sources or root".into()));
     };
+    if !root.is_absolute() {
+        return Err(bad(format!(
+            "root {} is not an absolute path",
+            root.display()
+        )));
+    }
     let data_start = 8 + header.len() as u64;
     if size < data_start {
         return Err(bad(format!(
@@ -63,6 +73,18 @@ pub(crate) fn assemble(path: &Path, doc: &Value) -> Result<Vec<u8>, WorkerError>
             return Err(bad(format!("a source is {s}, not a checked chunk")));
         };
         let chunk = Path::new(chunk);
+        let inside = chunk.starts_with(root)
+            && chunk != root
+            && chunk
+                .components()
+                .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
+        if !inside {
+            return Err(bad(format!(
+                "chunk {} is not a file in the store's directory {}",
+                chunk.display(),
+                root.display()
+            )));
+        }
         let changed = || WorkerError::Format {
             path: chunk.to_path_buf(),
             reason: "not the chunk the agent checked (replaced or changed since)".into(),
@@ -155,7 +177,7 @@ mod tests {
         std::fs::write(&chunk, b"abcdefgh").unwrap();
         let m = std::fs::metadata(&chunk).unwrap();
         let doc = |ranges: Value| {
-            json!({"version": 1, "header": "{}", "bytes": 16, "sources": [{
+            json!({"version": 1, "header": "{}", "bytes": 16, "root": d.path(), "sources": [{
                 "path": chunk.to_str().unwrap(), "bytes": 8, "dev": m.dev(), "ino": m.ino(),
                 "ctime_ns": m.ctime() * 1_000_000_000 + m.ctime_nsec(), "ranges": ranges,
             }]})
@@ -173,6 +195,11 @@ mod tests {
         ] {
             assert!(assemble(&p, &doc(ranges.clone())).is_err(), "{ranges}");
         }
+        // A chunk outside the store's directory is not opened.
+        let mut outside = doc(json!([[10, 4, 4], [14, 2, 0]]));
+        outside["root"] = json!("/elsewhere");
+        let e = assemble(&p, &outside).unwrap_err();
+        assert!(e.to_string().contains("not a file in the store"), "{e}");
         // Replaced since the check: refused, naming the chunk.
         let other = d.path().join("other");
         std::fs::write(&other, b"abcdefgh").unwrap();
