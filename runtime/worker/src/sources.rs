@@ -210,4 +210,69 @@ mod tests {
             "{e}"
         );
     }
+
+    #[test]
+    fn random_and_mutated_sources_never_panic() {
+        // A seeded xorshift: ELASTIC_SEED=<n> replays one run.
+        let mut seed: u64 = std::env::var("ELASTIC_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0x5eed_50c5);
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let d = tempfile::tempdir().unwrap();
+        let chunk = d.path().join("chunk");
+        std::fs::write(&chunk, b"abcdefgh").unwrap();
+        let m = std::fs::metadata(&chunk).unwrap();
+        let valid = json!({"version": 1, "header": "{}", "bytes": 16, "root": d.path(), "sources": [{
+            "path": chunk.to_str().unwrap(), "bytes": 8, "dev": m.dev(), "ino": m.ino(),
+            "ctime_ns": m.ctime() * 1_000_000_000 + m.ctime_nsec(), "ranges": [[10, 4, 4], [14, 2, 0]],
+        }]});
+        let p = d.path().join("sources.json");
+        assert!(assemble(&p, &valid).is_ok());
+        let odd = |r: u64| -> Value {
+            match r % 9 {
+                0 => json!(u64::MAX),
+                1 => json!(i64::MIN),
+                2 => json!(-1),
+                3 => json!(r % 32),
+                4 => json!("x"),
+                5 => json!(null),
+                6 => json!([r % 20, r % 7, r % 9]),
+                7 => json!(1e300),
+                _ => json!(usize::MAX as u64 / 2),
+            }
+        };
+        let fields = ["version", "header", "bytes", "root", "sources"];
+        let source_fields = ["path", "bytes", "dev", "ino", "ctime_ns", "ranges"];
+        for _ in 0..5000 {
+            let mut doc = valid.clone();
+            for _ in 0..1 + next() % 3 {
+                let r = next();
+                let value = odd(next());
+                // The place mutated, where the document (already mutated) still has it.
+                let place = match r % 4 {
+                    0 => Some(&mut doc[fields[(r >> 8) as usize % fields.len()]]),
+                    1 => doc
+                        .pointer_mut("/sources/0")
+                        .and_then(Value::as_object_mut)
+                        .map(|o| {
+                            o.entry(source_fields[(r >> 8) as usize % source_fields.len()])
+                                .or_insert(Value::Null)
+                        }),
+                    2 => doc.pointer_mut(&format!("/sources/0/ranges/{}", (r >> 8) % 2)),
+                    _ => doc.pointer_mut(&format!("/sources/0/ranges/0/{}", (r >> 8) % 3)),
+                };
+                if let Some(v) = place {
+                    *v = value;
+                }
+            }
+            // Whatever it holds: an error or the bytes, never a panic.
+            let _ = assemble(&p, &doc);
+        }
+    }
 }
