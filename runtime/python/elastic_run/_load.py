@@ -44,7 +44,10 @@ def load(state=None, optimizer=None, resume_dir=None, *, model=None, strict=True
 
     Two layouts are read: what the agent restores from the checkpoint store
     (``DIR/rank-$RANK/state.safetensors`` with every tensor this rank needs, and
-    ``DIR/rank-$RANK/metadata.json``), and a staged snapshot (``DIR/rank-*/tensors.safetensors``
+    ``DIR/rank-$RANK/metadata.json``; restored without copies, ``elastic-run
+    --restore-no-copy``, ``sources.json`` in place of the tensor file: its bytes are read
+    from the store's chunks, each only while it is the file the agent checked), and a staged
+    snapshot (``DIR/rank-*/tensors.safetensors``
     and ``meta.json``, every rank's share). Sharded state (FSDP2's DTensors, saved as each
     rank's rows) loads into the DTensors ``state`` holds at any world size: a restore holds this
     rank's rows, and a staged snapshot's shards are put together and cut here; rows cut for
