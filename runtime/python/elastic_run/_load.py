@@ -260,8 +260,6 @@ def _open_restored(d):
     path = os.path.join(d, _RESTORED_SOURCES)
     if os.path.lexists(tensors_path) or not os.path.lexists(path):
         return _read.TensorFile(tensors_path)
-    from ._load_from import _chunk_path, _normal
-
     doc = _read_object(path)
     version = doc.get("version")
     if version not in _RESTORED_SOURCES_VERSIONS or not _is_int(version):
@@ -275,7 +273,7 @@ def _open_restored(d):
     root = _get(path, doc, "root", str)
     if not os.path.isabs(root) or "\0" in root:
         raise FormatError(f"{path}: root {_describe(root)} is not an absolute path")
-    root = _normal(root)
+    root = _read.normal_path(root)
     try:
         f = _read.SourcedFile(tensors_path, header.encode(), size)
     except UnicodeEncodeError as e:
@@ -285,7 +283,7 @@ def _open_restored(d):
             where = f"{path}: sources[{i}]"
             if not isinstance(src, dict):
                 raise FormatError(f"{where} is {_describe(src)}, not an object")
-            f.add(_chunk_path(root, store, src.get("path"), where), src.get("dev"), src.get("ino"),
+            f.add(_read.chunk_path(root, store, src.get("path"), where), src.get("dev"), src.get("ino"),
                   src.get("bytes"), src.get("ctime_ns"), src.get("ranges"))
     except BaseException:
         f.close()

@@ -125,30 +125,7 @@ def _local_root(url):
     path = urllib.parse.unquote(parts.path) or "/"
     if ".." in path.split("/"):
         return None
-    return _normal(path)
-
-
-def _chunk_path(root, url, path, where):
-    """A chunk file that a restore names (a ``source`` event, or a restore's ``sources.json``),
-    in normal form: an absolute path inside ``root``, the directory of the store ``url``, with
-    no ``..`` and nothing a file name cannot hold."""
-    try:
-        if not isinstance(path, str) or not os.path.isabs(path) or "\0" in path or ".." in path.split("/") \
-                or root is None:
-            raise ValueError(path)
-        os.fsencode(path)  # a lone surrogate cannot name a file
-        normal = _normal(path)
-        if normal == root or os.path.commonpath([root, normal]) != root:
-            raise ValueError(path)
-        return normal
-    except (UnicodeError, ValueError):
-        raise FormatError(f"{where}: the restore names the chunk {_describe(path)}, not a file in the store "
-                          f"{url}") from None
-
-
-def _normal(path):
-    """An absolute path in normal form: one leading slash (``normpath`` keeps two)."""
-    return "/" + os.path.normpath(path).lstrip("/")
+    return _read.normal_path(path)
 
 
 def _ckpt_exe():
@@ -369,7 +346,7 @@ class _Overlapped:
         self.reader = _read.RangedRead(self.file, into, release_fd=self.release_fd)
 
     def _source_path(self, path, where):
-        return _chunk_path(self.root, self.url, path, where)
+        return _read.chunk_path(self.root, self.url, path, where)
 
     def _open_written(self, path, name, step):
         """``(TensorFile, descriptor for writing)`` of the file a ``file`` event of ``step``

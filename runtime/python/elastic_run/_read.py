@@ -310,6 +310,29 @@ class HeaderFile(TensorFile):
         raise FormatError(f"{self.path}: byte {offset} was read, but the restore writes this state into memory")
 
 
+def normal_path(path):
+    """An absolute path in normal form: one leading slash (``normpath`` keeps two)."""
+    return "/" + os.path.normpath(path).lstrip("/")
+
+
+def chunk_path(root, url, path, where):
+    """A chunk file that a restore names (a ``source`` event, or a restore's ``sources.json``),
+    in normal form: an absolute path inside ``root``, the directory of the store ``url``, with
+    no ``..`` and nothing a file name cannot hold."""
+    try:
+        if not isinstance(path, str) or not os.path.isabs(path) or "\0" in path or ".." in path.split("/") \
+                or root is None:
+            raise ValueError(path)
+        os.fsencode(path)  # a lone surrogate cannot name a file
+        normal = normal_path(path)
+        if normal == root or os.path.commonpath([root, normal]) != root:
+            raise ValueError(path)
+        return normal
+    except (UnicodeError, ValueError):
+        raise FormatError(f"{where}: the restore names the chunk {_describe(path)}, not a file in the store "
+                          f"{url}") from None
+
+
 class SourcedFile(HeaderFile):
     """A safetensors file that was never written (``elastic-ckpt restore --no-copy``): its
     header as given, and its data in other files, the chunks of a local store that the
