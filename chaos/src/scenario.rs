@@ -254,6 +254,10 @@ pub struct Scenario {
     /// More arguments for the training script.
     #[serde(default)]
     pub args: Vec<String>,
+    /// More arguments for every node's `elastic-run` (`["--restore-no-copy"]`), before the
+    /// staging dir and the training script.
+    #[serde(default)]
+    pub agent_args: Vec<String>,
     /// Text that some line of some worker's output must hold: proof that a fault landed
     /// where the scenario aims it (inside the commit vote, say), not only near it.
     #[serde(default)]
@@ -292,6 +296,8 @@ pub const NPROC_MAX: u32 = 8;
 pub const FAULTS_MAX: usize = 64;
 pub const EXPECT_OUTPUT_MAX: usize = 8;
 pub const EXPECT_OUTPUT_CHARS_MAX: usize = 200;
+pub const AGENT_ARGS_MAX: usize = 8;
+pub const AGENT_ARG_CHARS_MAX: usize = 200;
 
 impl Scenario {
     pub fn parse(text: &str, origin: &str) -> anyhow::Result<Scenario> {
@@ -372,6 +378,16 @@ impl Scenario {
         }
         if self.args.len() > 64 {
             return Err("more than 64 args".into());
+        }
+        if self.agent_args.len() > AGENT_ARGS_MAX
+            || self
+                .agent_args
+                .iter()
+                .any(|a| a.is_empty() || a.len() > AGENT_ARG_CHARS_MAX || a == "--")
+        {
+            return Err(format!(
+                "agent_args takes at most {AGENT_ARGS_MAX} arguments of 1..={AGENT_ARG_CHARS_MAX} bytes, none of them \"--\""
+            ));
         }
         if self.expect_output.len() > EXPECT_OUTPUT_MAX
             || self
@@ -571,6 +587,7 @@ pub fn random_scenario(seed: u64, netns_ok: bool) -> Scenario {
         base_lr: d_base_lr(),
         example: None,
         args: vec![],
+        agent_args: vec![],
         expect_output: vec![],
         elastic_run: None,
         staging_mb: d_staging_mb(),
@@ -734,6 +751,10 @@ window_s = [1, 30]
         assert!(
             bad("name='a'\nnodes=2\nmin_nodes=1\nmax_nodes=2\n[[faults]]\nat_s=1\nkind='meteor'")
                 .contains("meteor")
+        );
+        assert!(
+            bad("name='a'\nnodes=2\nmin_nodes=1\nmax_nodes=2\nagent_args=['--', 'x']")
+                .contains("agent_args")
         );
     }
 }

@@ -221,7 +221,8 @@ impl Run<'_> {
         if let Some(g) = s.global_batch {
             c.args(["--global-batch", &g.to_string()]);
         }
-        c.arg("--staging-dir")
+        c.args(&s.agent_args)
+            .arg("--staging-dir")
             .arg(&staging)
             .arg("--events-file")
             .arg(self.out.join(EVENTS_FILE))
