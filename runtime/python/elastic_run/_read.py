@@ -17,6 +17,7 @@ device asynchronously on a stream of the reading thread's own while the next is 
 """
 
 import ctypes
+import errno
 import mmap
 import os
 import stat
@@ -399,8 +400,13 @@ class SourcedFile(HeaderFile):
         changed = f"{source}: not the chunk the restore checked (replaced or changed since)"
         try:
             fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
+        except (FileNotFoundError, NotADirectoryError) as e:
+            # Gone since its check (removed, or its directory replaced): not the chunk checked.
             raise FormatError(f"{source}: a chunk the restore checked cannot be opened: {e.strerror}") from None
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise  # local trouble (descriptors, memory, I/O), named as it is
+            raise FormatError(f"{source}: a chunk the restore checked is now a symlink") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or self._identity(st) != ident:

@@ -139,7 +139,7 @@ impl StoreSink {
                     .ranks
                     .iter()
                     .copied()
-                    .filter(|r| rank_files_present(&dir, *r))
+                    .filter(|r| rank_files_present(&dir, *r, self.opts.read.no_copy))
                     .collect::<BTreeSet<u32>>();
                 (present, Some(m.dense))
             }
@@ -240,7 +240,7 @@ impl StoreSink {
         }
         // Assert after the writes: every wanted rank has its files.
         for r in &want {
-            if !rank_files_present(&dir, *r) {
+            if !rank_files_present(&dir, *r, self.opts.read.no_copy) {
                 return Err(SinkError::Local {
                     path: dir.join(format!("rank-{r}")),
                     reason: format!("step {step}: rank {r} is missing after the restore"),
@@ -363,9 +363,17 @@ pub(super) fn remove_rank_dirs(dir: &Path) -> Result<(), SinkError> {
     sync_dir(dir)
 }
 
-pub(super) fn rank_files_present(dir: &Path, rank: u32) -> bool {
+/// Whether `rank`'s restore in `dir` is whole: its metadata, and its tensors (with
+/// `sources_ok`, where they lie in the store's chunks, still as checked, will do: a restore
+/// without copies; without it, only the tensor file does).
+pub(super) fn rank_files_present(dir: &Path, rank: u32, sources_ok: bool) -> bool {
     let d = dir.join(format!("rank-{rank}"));
-    rank_tensors_present(&d) && d.join(RESTORE_METADATA_FILE).is_file()
+    let tensors = if sources_ok {
+        rank_tensors_present(&d)
+    } else {
+        d.join(RESTORE_FILE).is_file()
+    };
+    tensors && d.join(RESTORE_METADATA_FILE).is_file()
 }
 
 pub(super) fn sync_dir(dir: &Path) -> Result<(), SinkError> {

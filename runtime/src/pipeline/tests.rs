@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use super::commit::{check_parts, read_staged};
 use super::sink::*;
-use worker::protocol::{STAGED_META, STAGED_TENSORS};
+use worker::protocol::{RESTORED_SOURCES, STAGED_META, STAGED_TENSORS};
 
 use crate::state::StagedPart;
 use crate::worker_env::ResumePoint;
@@ -415,4 +415,61 @@ async fn retention_keeps_keep_steps_milestones_and_the_step_just_committed() {
     assert_eq!(store.committed_steps(&c).await.unwrap(), [5, 10]);
     commit(&sink, 6).await;
     assert_eq!(store.committed_steps(&c).await.unwrap(), [6, 10]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_without_copies_is_reused_only_while_its_chunks_hold_and_the_flag_is_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let staging = tmp.path().join("s/step-4");
+    stage(&staging, 4, 0, 1, serde_json::json!({}));
+    let url = format!("file://{}", tmp.path().join("store").display());
+    let root = tmp.path().join("r");
+    let no_copy = |on: bool| {
+        let mut o = fast();
+        o.read.no_copy = on;
+        StoreSink::open(&url, root.clone(), o).unwrap()
+    };
+    let c = CancellationToken::new();
+    let sink = no_copy(true);
+    sink.commit(
+        StepToCommit {
+            step: 4,
+            generation: 1,
+            world_size: 1,
+            parts: vec![part(&staging, 0, 4)],
+            agent_metadata: serde_json::json!({}),
+        },
+        &c,
+    )
+    .await
+    .unwrap();
+    let files = |p: &ResumePoint, r: u32| {
+        let d = p.dir.join(format!("rank-{r}"));
+        (
+            d.join(RESTORED_SOURCES).is_file(),
+            d.join(RESTORE_FILE).is_file(),
+        )
+    };
+    // Dense: rank 0 checked where it lies, rank 1 linked to its sources.
+    let p = sink.restore(4, 0..2, 2, &c).await.unwrap();
+    assert_eq!((files(&p, 0), files(&p, 1)), ((true, false), (true, false)));
+    assert!(p.bytes_from_store > 0);
+    // Kept as it is while its chunks are as checked: nothing read again.
+    let again = sink.restore(4, 0..2, 2, &c).await.unwrap();
+    assert_eq!(again.bytes_from_store, 0);
+    // A chunk rewritten in place (its change time moves): checked again.
+    let doc: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(p.dir.join("rank-0").join(RESTORED_SOURCES)).unwrap(),
+    )
+    .unwrap();
+    let chunk = doc["sources"][0]["path"].as_str().unwrap().to_string();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::write(&chunk, std::fs::read(&chunk).unwrap()).unwrap();
+    let after = sink.restore(4, 0..2, 2, &c).await.unwrap();
+    assert!(after.bytes_from_store > 0);
+    assert_eq!(files(&after, 0), (true, false));
+    // Without the flag, a kept restore without copies is not reused: the file is written.
+    let p = no_copy(false).restore(4, 0..2, 2, &c).await.unwrap();
+    assert!(p.bytes_from_store > 0);
+    assert_eq!((files(&p, 0), files(&p, 1)), ((false, true), (false, true)));
 }

@@ -439,7 +439,7 @@ impl Worker {
         let state = meta["metadata"]["state"].clone();
         let mut tpath = mine.join(RESTORED_TENSORS);
         let sources = mine.join(RESTORED_SOURCES);
-        let bytes = if !tpath.exists() && sources.is_file() {
+        let bytes = if std::fs::symlink_metadata(&tpath).is_err() && sources.is_file() {
             // Restored without copies: the bytes lie in the store's chunks.
             let b = crate::sources::assemble(&sources, &read_json(&sources)?)?;
             tpath = sources;

@@ -87,8 +87,10 @@
 //!
 //! instead: the file `state.safetensors` would have been (`bytes` long, its safetensors header
 //! `header`), and where each range of it lies in the store's chunk files (under `root`, the
-//! store's directory), each as it was when checked (device, inode, length, inode change time). A reader reads there only while a chunk
-//! is still that file, unchanged.
+//! store's directory), each as it was when checked (device, inode, length, inode change
+//! time). A reader reads there only while a chunk is still that file, unchanged. (The file
+//! lies in the agent's private staging directory, trusted as `state.safetensors` would be:
+//! that a chunk lies under `root` is a consistency check, not a boundary.)
 //!
 //! ([`RESTORED_TENSORS`], [`RESTORED_SOURCES`], [`RESTORED_META`].) Metadata files on either
 //! side are read up to [`METADATA_BYTES_MAX`] bytes.

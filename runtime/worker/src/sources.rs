@@ -14,8 +14,17 @@ use serde_json::Value;
 use crate::client::WorkerError;
 use crate::protocol::RESTORED_SOURCES_VERSION;
 
+/// A chunk to read from: where, as it was when checked (device, inode, length, inode change
+/// time), and its ranges `[at in the file, length, offset in the chunk]`.
+struct Source<'a> {
+    chunk: &'a Path,
+    checked: (u64, u64, u64, i64),
+    ranges: Vec<[u64; 3]>,
+}
+
 /// The bytes the tensor file would hold, read from the chunks `doc` (the parsed
-/// `sources.json` at `path`) names.
+/// `sources.json` at `path`) names. Everything the document says is checked before memory is
+/// taken for the file or a chunk is opened.
 pub(crate) fn assemble(path: &Path, doc: &Value) -> Result<Vec<u8>, WorkerError> {
     let bad = |reason: String| WorkerError::Format {
         path: path.to_path_buf(),
@@ -51,13 +60,7 @@ pub(crate) fn assemble(path: &Path, doc: &Value) -> Result<Vec<u8>, WorkerError>
             header.len()
         )));
     }
-    let size = usize::try_from(size).map_err(|_| bad(format!("{size} bytes")))?;
-    let mut out = Vec::new();
-    out.try_reserve_exact(size)
-        .map_err(|_| bad(format!("{size} bytes do not fit in memory")))?;
-    out.extend_from_slice(&(header.len() as u64).to_le_bytes());
-    out.extend_from_slice(header.as_bytes());
-    out.resize(size, 0);
+    let mut plan = Vec::with_capacity(sources.len());
     // Every [at, at + n) given, to check that the data is covered once.
     let mut given: Vec<(u64, u64)> = Vec::new();
     for s in sources {
@@ -85,32 +88,7 @@ pub(crate) fn assemble(path: &Path, doc: &Value) -> Result<Vec<u8>, WorkerError>
                 root.display()
             )));
         }
-        let changed = || WorkerError::Format {
-            path: chunk.to_path_buf(),
-            reason: "not the chunk the agent checked (replaced or changed since)".into(),
-        };
-        let f = File::options()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-            .open(chunk)
-            .map_err(|e| WorkerError::Io {
-                op: "open a checked chunk",
-                path: chunk.to_path_buf(),
-                source: e,
-            })?;
-        let identity = |f: &File| {
-            f.metadata().ok().map(|m| {
-                let ns = m
-                    .ctime()
-                    .saturating_mul(1_000_000_000)
-                    .saturating_add(m.ctime_nsec());
-                (m.is_file(), m.dev(), m.ino(), m.len(), ns)
-            })
-        };
-        let want = Some((true, dev, ino, len, ctime_ns));
-        if identity(&f) != want {
-            return Err(changed());
-        }
+        let mut mine = Vec::with_capacity(ranges.len());
         for r in ranges {
             let r: Option<Vec<u64>> = r
                 .as_array()
@@ -122,7 +100,7 @@ pub(crate) fn assemble(path: &Path, doc: &Value) -> Result<Vec<u8>, WorkerError>
                 )));
             };
             let fits = at >= data_start
-                && at.checked_add(n).is_some_and(|e| e <= size as u64)
+                && at.checked_add(n).is_some_and(|e| e <= size)
                 && from.checked_add(n).is_some_and(|e| e <= len);
             if !fits {
                 return Err(bad(format!(
@@ -130,18 +108,14 @@ pub(crate) fn assemble(path: &Path, doc: &Value) -> Result<Vec<u8>, WorkerError>
                     chunk.display()
                 )));
             }
-            let dest = &mut out[at as usize..(at + n) as usize];
-            f.read_exact_at(dest, from).map_err(|e| WorkerError::Io {
-                op: "read a checked chunk",
-                path: chunk.to_path_buf(),
-                source: e,
-            })?;
             given.push((at, at + n));
+            mine.push([at, n, from]);
         }
-        // Written while it was read: what was read may be neither the old bytes nor new.
-        if identity(&f) != want {
-            return Err(changed());
-        }
+        plan.push(Source {
+            chunk,
+            checked: (dev, ino, len, ctime_ns),
+            ranges: mine,
+        });
     }
     given.sort_unstable();
     let mut at = data_start;
@@ -159,10 +133,66 @@ pub(crate) fn assemble(path: &Path, doc: &Value) -> Result<Vec<u8>, WorkerError>
         }
         at = hi;
     }
-    if at != size as u64 {
+    if at != size {
         return Err(bad(format!("bytes from {at} of the data are never given")));
     }
+
+    let size = usize::try_from(size).map_err(|_| bad(format!("{size} bytes")))?;
+    let mut out = Vec::new();
+    out.try_reserve_exact(size)
+        .map_err(|_| bad(format!("{size} bytes do not fit in memory")))?;
+    out.extend_from_slice(&(header.len() as u64).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.resize(size, 0);
+    for s in &plan {
+        read_source(s, &mut out)?;
+    }
     Ok(out)
+}
+
+/// Reads `s`'s ranges into `out`, only while its chunk is the file that was checked: the same
+/// device, inode, length and inode change time before and after the reads, never through a
+/// symlink.
+fn read_source(s: &Source<'_>, out: &mut [u8]) -> Result<(), WorkerError> {
+    let changed = || WorkerError::Format {
+        path: s.chunk.to_path_buf(),
+        reason: "not the chunk the agent checked (replaced or changed since)".into(),
+    };
+    let f = File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(s.chunk)
+        .map_err(|e| WorkerError::Io {
+            op: "open a checked chunk",
+            path: s.chunk.to_path_buf(),
+            source: e,
+        })?;
+    let identity = |f: &File| {
+        f.metadata().ok().filter(|m| m.is_file()).map(|m| {
+            let ns = m
+                .ctime()
+                .saturating_mul(1_000_000_000)
+                .saturating_add(m.ctime_nsec());
+            (m.dev(), m.ino(), m.len(), ns)
+        })
+    };
+    if identity(&f) != Some(s.checked) {
+        return Err(changed());
+    }
+    for &[at, n, from] in &s.ranges {
+        // Within `out` and the chunk: checked by `assemble`.
+        let dest = &mut out[at as usize..(at + n) as usize];
+        f.read_exact_at(dest, from).map_err(|e| WorkerError::Io {
+            op: "read a checked chunk",
+            path: s.chunk.to_path_buf(),
+            source: e,
+        })?;
+    }
+    // Written while it was read: what was read may be neither the old bytes nor new.
+    if identity(&f) != Some(s.checked) {
+        return Err(changed());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -195,6 +225,11 @@ mod tests {
         ] {
             assert!(assemble(&p, &doc(ranges.clone())).is_err(), "{ranges}");
         }
+        // A length the ranges do not fill is refused before any memory is taken for it.
+        let mut huge = doc(json!([[10, 4, 4], [14, 2, 0]]));
+        huge["bytes"] = json!(1u64 << 50);
+        let e = assemble(&p, &huge).unwrap_err();
+        assert!(e.to_string().contains("never given"), "{e}");
         // A chunk outside the store's directory is not opened.
         let mut outside = doc(json!([[10, 4, 4], [14, 2, 0]]));
         outside["root"] = json!("/elsewhere");
