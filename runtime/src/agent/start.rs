@@ -85,6 +85,12 @@ pub(super) async fn start(
     };
     let sink = StoreSink::open(&url, staging.join(RESTORE_DIR), sink_opts)
         .map_err(|e| usage(format!("--checkpoint-url {url}: {e}")))?;
+    if cli.restore_no_copy && sink.store().local_root().is_none() {
+        tracing::warn!(
+            url = %sink.url(),
+            "--restore-no-copy reads only a file:// store where its chunks lie: restores from this store copy into staging"
+        );
+    }
     let sink = Arc::new(sink);
     let socket_path = run_dir.path.join("agent.sock");
     let spec = WorkerSpec {

@@ -158,6 +158,8 @@ impl StoreSink {
         let want: Vec<u32> = ranks.clone().collect();
         let missing: Vec<u32> = want.iter().copied().filter(|r| !done.contains(r)).collect();
         let mut from_store = 0usize;
+        // Ranks of those restored without copies (`sources.json` in place of the file).
+        let mut without_copies = 0usize;
         let mut bytes = 0u64;
 
         // Only missing ranks of a sharded (or unknown) step, or a dense step with nothing
@@ -206,6 +208,7 @@ impl StoreSink {
                 }
                 bytes += report.bytes;
                 from_store += 1;
+                without_copies += usize::from(!report.written);
                 let d = dir.clone();
                 blocking(move || install_rank(&d, &tmp, r)).await?;
                 done.insert(r);
@@ -254,6 +257,7 @@ impl StoreSink {
             world = world_size,
             dense,
             from_store,
+            without_copies,
             bytes,
             ms = t0.elapsed().as_millis() as u64,
             "step restored"

@@ -902,6 +902,7 @@ fn resuming_at_the_same_world_size_gives_bitwise_equal_weights() {
         out.contains(&format!("resumed from step {before} ")),
         "{out}"
     );
+    assert!(err.contains("without_copies=1"), "{err}");
     let restored = tmp.path().join(format!("staging/.restore/step-{before}"));
     for r in 0..2 {
         let rank = restored.join(format!("rank-{r}"));
