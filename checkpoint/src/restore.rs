@@ -203,6 +203,15 @@ pub struct RestoreReport {
     pub metadata: serde_json::Value,
 }
 
+/// Which objects of a step a restore checks the presence of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Presence {
+    /// Those it reads (by reading them): a step asked for by number.
+    Read,
+    /// All of them: the newest step that restores, which every rank must agree on.
+    Whole,
+}
+
 /// Rows `[lo, hi)` of dim 0 that `rank` of `world` gets of a tensor with `rows` rows: PyTorch's
 /// `Shard(0)` rule (what DTensor and FSDP2 give each rank), chunks of `ceil(rows / world)` rows
 /// in rank order, so `[min(rank * c, rows), min((rank + 1) * c, rows))`. The last ranks may get
@@ -286,11 +295,8 @@ impl Store {
         }
         let (mut report, skipped) = self
             .newest_committed_that("restore", cancel, |step| async move {
-                // Every rank checks the whole step's presence, not only its own chunks, so
-                // ranks that need different chunks still agree on a step that lost an object.
                 let m = self.read_manifest(step, cancel).await?;
-                self.check_objects_present(&m, cancel).await?;
-                self.restore_step(step, rank, world, dest, opts, cancel)
+                self.restore_manifest(&m, Presence::Whole, rank, world, dest, opts, cancel)
                     .await
             })
             .await?;
@@ -308,6 +314,24 @@ impl Store {
         cancel: &CancellationToken,
     ) -> Result<RestoreReport> {
         let m = self.read_manifest(step, cancel).await?;
+        self.restore_manifest(&m, Presence::Read, rank, world, dest, opts, cancel)
+            .await
+    }
+
+    /// [`Store::restore_step`] of the step manifest `m` describes, checking the presence of
+    /// its objects as `presence` says.
+    #[allow(clippy::too_many_arguments)]
+    async fn restore_manifest(
+        &self,
+        m: &Manifest,
+        presence: Presence,
+        rank: u32,
+        world: u32,
+        dest: &Path,
+        opts: &ReadOptions,
+        cancel: &CancellationToken,
+    ) -> Result<RestoreReport> {
+        let step = m.step;
         let mut out_tensors = Vec::new();
         let mut ops = Vec::new();
         let mut shards_md = serde_json::Map::new();
@@ -382,6 +406,17 @@ impl Store {
                 at += len;
             }
         }
+        if presence == Presence::Whole {
+            // Every rank checks the whole step's presence, not only its own chunks, so that
+            // ranks that need different chunks still agree on a step that lost an object. The
+            // objects this rank reads are checked by their read (a GET that finds no object,
+            // or one of another length, fails the step as a HEAD would, before its bytes
+            // count); only the others need a HEAD, which a rank that reads every chunk (a
+            // replicated step) skips.
+            let read: std::collections::BTreeSet<u32> = ops.iter().map(|op| op.object).collect();
+            self.check_objects_present_where(m, |i| !read.contains(&(i as u32)), cancel)
+                .await?;
+        }
         let layout = Layout {
             files: vec![OutFile {
                 rel: RESTORE_FILE.to_string(),
@@ -395,15 +430,7 @@ impl Store {
             "saved_world_size": m.world_size, "metadata": m.metadata,
         });
         let written = self
-            .materialize(
-                &m,
-                layout,
-                Some(&meta),
-                dest,
-                RootLink::Follow,
-                opts,
-                cancel,
-            )
+            .materialize(m, layout, Some(&meta), dest, RootLink::Follow, opts, cancel)
             .await?;
         let meta_path = dest.join(RESTORE_METADATA_FILE);
         let meta_bytes = serde_json::to_vec_pretty(&meta).expect("json");

@@ -67,16 +67,19 @@ pub struct Store {
 struct ReadCounter {
     bytes: AtomicU64,
     gets: AtomicU64,
+    heads: AtomicU64,
 }
 
 /// What a store (and every clone of it) has read so far: object bytes (as stored, before
 /// decoding; manifests and part records included) and the reads that fetched them (a GET or
 /// ranged GET resuming one that broke off on a remote store, one per object on a local
-/// directory).
+/// directory), and the requests that only asked whether an object exists and how long it is
+/// (a HEAD, or a stat of a local file).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct ReadStats {
     pub bytes: u64,
     pub gets: u64,
+    pub heads: u64,
 }
 
 impl std::fmt::Display for Store {
@@ -203,6 +206,7 @@ impl Store {
         ReadStats {
             bytes: self.reads.bytes.load(Ordering::Relaxed),
             gets: self.reads.gets.load(Ordering::Relaxed),
+            heads: self.reads.heads.load(Ordering::Relaxed),
         }
     }
 
@@ -429,6 +433,7 @@ impl Store {
     /// The size of an object. On `file://` from `lstat`, since `object_store` opens the file
     /// to stat it, and opening a FIFO blocks.
     pub(crate) async fn head(&self, key: &str, cancel: &CancellationToken) -> Result<u64> {
+        self.reads.heads.fetch_add(1, Ordering::Relaxed);
         if let Some(file) = self.local_file(key) {
             let kind_of = |kind| Error::Store {
                 store: self.display.clone(),

@@ -122,13 +122,25 @@ impl Store {
         m: &Manifest,
         cancel: &CancellationToken,
     ) -> Result<()> {
+        self.check_objects_present_where(m, |_| true, cancel).await
+    }
+
+    /// [`Store::check_objects_present`] of the objects whose index `which` picks.
+    pub(crate) async fn check_objects_present_where(
+        &self,
+        m: &Manifest,
+        which: impl Fn(usize) -> bool,
+        cancel: &CancellationToken,
+    ) -> Result<()> {
         // Owned (key, length) pairs: a stream of futures borrowing each entry would make
         // every future awaiting this one fail rustc's higher-ranked `Send` check once spawned
         // (the agent's commit loop runs retention, which calls this).
         let objects: Vec<(String, u64)> = m
             .objects
             .iter()
-            .map(|o| (o.key.clone(), o.stored_bytes))
+            .enumerate()
+            .filter(|(i, _)| which(*i))
+            .map(|(_, o)| (o.key.clone(), o.stored_bytes))
             .collect();
         let step = m.step;
         futures::stream::iter(objects)

@@ -594,3 +594,86 @@ async fn a_restore_tells_what_is_final_as_it_goes_and_starts_over_on_a_fallback(
     );
     assert!(shadow[data_start..] == restored[data_start..]);
 }
+
+/// Every rank of a row-sharded step falls back when any one of its objects is lost: the ones
+/// a rank reads fail its read, and the others fail their HEAD, so ranks that read different
+/// chunks still agree on the step. Only the chunks a rank does not read get a HEAD.
+#[tokio::test]
+async fn every_rank_of_a_sharded_step_falls_back_when_any_of_its_objects_is_lost() {
+    let mem = Arc::new(InMemory::new());
+    let store = Store::from_object_store(mem.clone(), PREFIX, "memory://ck");
+    let w = common::tensor("w", "F32", &[37, 50], 1);
+    let b = common::tensor("b", "BF16", &[50], 2);
+    for step in [1, 2] {
+        common::save_sharded_state(&store, step, &w, &b, &[0, 11, 12, 37]).await;
+    }
+    let keys: Vec<String> = store
+        .read_manifest(2, &cancel())
+        .await
+        .unwrap()
+        .objects
+        .iter()
+        .map(|o| o.key.clone())
+        .collect();
+    assert!(keys.len() > 3, "small chunks: the shards span chunks");
+    for key in &keys {
+        let data = get_raw(&mem, key).await;
+        mem.delete(&p(key)).await.unwrap();
+        for (rank, world) in [(0, 3), (2, 3), (1, 2)] {
+            let dir = tempfile::tempdir().unwrap();
+            let r = store
+                .restore(
+                    None,
+                    rank,
+                    world,
+                    dir.path(),
+                    &ReadOptions::default(),
+                    &cancel(),
+                )
+                .await
+                .unwrap();
+            assert_eq!(
+                (r.step, &r.skipped_steps[..]),
+                (1, &[2][..]),
+                "{key} lost, rank {rank} of {world}"
+            );
+        }
+        put_raw(&mem, key, data).await;
+    }
+    // The objects a rank reads are checked by their read, not by a HEAD first: beyond what
+    // finding the newest step and reading its manifest take, a rank HEADs only the chunks it
+    // does not read. Rank 0 of 1 reads every chunk; rank 2 of 3 reads rows 26-37, none of the
+    // first writer's chunks.
+    let before = store.read_stats().heads;
+    store.committed_steps(&cancel()).await.unwrap();
+    store.read_manifest(2, &cancel()).await.unwrap();
+    let finding = store.read_stats().heads - before;
+    let mut heads = Vec::new();
+    for (rank, world) in [(0, 1), (2, 3)] {
+        let before = store.read_stats().heads;
+        let dir = tempfile::tempdir().unwrap();
+        let r = store
+            .restore(
+                None,
+                rank,
+                world,
+                dir.path(),
+                &ReadOptions::default(),
+                &cancel(),
+            )
+            .await
+            .unwrap();
+        assert_eq!((r.step, r.skipped_steps.len()), (2, 0));
+        heads.push(store.read_stats().heads - before - finding);
+    }
+    let objects = keys.len() as u64;
+    assert_eq!(
+        heads[0], 0,
+        "rank 0 of 1 reads every one of the {objects} chunks"
+    );
+    assert!(
+        heads[1] > 0 && heads[1] < objects,
+        "rank 2 of 3 HEADs {} of {objects} chunks",
+        heads[1]
+    );
+}
