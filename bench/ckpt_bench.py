@@ -567,9 +567,10 @@ def bench_restore(a, model, opt, base, disk, moto):
                     "bytes_needed": js["bytes_needed"], "stored_bytes": js["step_stored_bytes"], "gets": js["gets"]}
         return run
 
-    def m_raw(kind):
+    def m_raw(kind, stream=False):
         def run():
-            dt, js = run_tool([store, "raw-get", urls[kind]], env if kind.startswith("s3") else None)
+            dt, js = run_tool([store, "raw-get", urls[kind]] + (["--stream"] if stream else []),
+                              env if kind.startswith("s3") else None)
             return {"restore_s": js["seconds"], "bytes_read": js["bytes"]}
         return run
 
@@ -613,12 +614,15 @@ def bench_restore(a, model, opt, base, disk, moto):
             ("elastic_run.load_from, world 2->2 (s3)", s3_warm("s3", m_from("s3", 2))),
             ("elastic_run.load_from through a file, world 2->2 (s3)", s3_warm("s3", m_from("s3", 2, into=False))),
             ("raw object_store get of the step (s3)", s3_warm("s3", m_raw("s3"))),
+            ("raw object_store get of the step, streamed (s3)", s3_warm("s3", m_raw("s3", stream=True))),
             ("checkpoint restore + elastic_run.load, world 2->2 (s3, raw chunks)",
              s3_warm("s3-raw", m_er("s3-raw", 2))),
             ("elastic_run.load_from, world 2->2 (s3, raw chunks)", s3_warm("s3-raw", m_from("s3-raw", 2))),
             ("elastic_run.load_from through a file, world 2->2 (s3, raw chunks)",
              s3_warm("s3-raw", m_from("s3-raw", 2, into=False))),
             ("raw object_store get of the step (s3, raw chunks)", s3_warm("s3-raw", m_raw("s3-raw"))),
+            ("raw object_store get of the step, streamed (s3, raw chunks)",
+             s3_warm("s3-raw", m_raw("s3-raw", stream=True))),
             ("checkpoint restore only, row-sharded state, world 2->2 (s3, compressed)",
              s3_warm("sharded-s3", m_shard(2, "sharded-s3"))),
             ("checkpoint restore only, row-sharded state, world 2->3 (s3, compressed)",

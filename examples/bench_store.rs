@@ -5,8 +5,10 @@
 //!     bench_store raw-put URL FILE... [--chunk-mib 32] [--concurrency 4]
 //!         Uploads FILEs cut into chunks (one object per chunk, like a checkpoint save) and, on
 //!         file://, fsyncs each object and its directory: the same durability a save gives.
-//!     bench_store raw-get URL [--concurrency 8]
-//!         Reads every object under URL (whole objects, several at a time).
+//!     bench_store raw-get URL [--stream] [--concurrency 8]
+//!         Reads every object under URL (whole objects, several at a time), each into one
+//!         buffer (`GetResult::bytes`); with `--stream`, counting its body's pieces as they
+//!         arrive and keeping none: the least a GET can cost.
 //!     bench_store restore URL DEST --rank R --world W [--step N] [--concurrency 8]
 //!         `Store::restore` of the newest committed step (or N) for rank R of W into DEST, with
 //!         the bytes it read (`Store::read_stats`: every GET and local read of an object,
@@ -124,7 +126,7 @@ async fn raw_put(
     )
 }
 
-async fn raw_get(url: &str, concurrency: usize) -> Result<serde_json::Value> {
+async fn raw_get(url: &str, stream: bool, concurrency: usize) -> Result<serde_json::Value> {
     let (store, prefix, _) = open(url)?;
     let p = (!prefix.is_empty()).then(|| ObjPath::from(prefix.as_str()));
     let t = Instant::now();
@@ -137,14 +139,25 @@ async fn raw_get(url: &str, concurrency: usize) -> Result<serde_json::Value> {
     let sizes: Vec<u64> = futures::stream::iter(metas)
         .map(|m| {
             let store = store.clone();
-            async move { anyhow::Ok(store.get(&m.location).await?.bytes().await?.len() as u64) }
+            async move {
+                let r = store.get(&m.location).await?;
+                if !stream {
+                    return anyhow::Ok(r.bytes().await?.len() as u64);
+                }
+                let mut body = r.into_stream();
+                let mut n = 0u64;
+                while let Some(piece) = body.next().await {
+                    n += piece?.len() as u64;
+                }
+                Ok(n)
+            }
         })
         .buffer_unordered(concurrency.max(1))
         .try_collect()
         .await?;
     let secs = t.elapsed().as_secs_f64();
     Ok(
-        serde_json::json!({"op": "raw-get", "seconds": secs, "bytes": sizes.iter().sum::<u64>(), "objects": objects}),
+        serde_json::json!({"op": "raw-get", "stream": stream, "seconds": secs, "bytes": sizes.iter().sum::<u64>(), "objects": objects}),
     )
 }
 
@@ -255,6 +268,10 @@ async fn main() -> Result<()> {
         .iter()
         .position(|a| a == "--no-copy")
         .map(|i| args.remove(i));
+    let stream = args
+        .iter()
+        .position(|a| a == "--stream")
+        .map(|i| args.remove(i));
     let out = match args.first().map(String::as_str) {
         Some("raw-put") if args.len() >= 3 => {
             let files: Vec<PathBuf> = args[2..].iter().map(PathBuf::from).collect();
@@ -267,7 +284,12 @@ async fn main() -> Result<()> {
             .await?
         }
         Some("raw-get") if args.len() == 2 => {
-            raw_get(&args[1], concurrency.unwrap_or(GET_CONCURRENCY_DEFAULT)).await?
+            raw_get(
+                &args[1],
+                stream.is_some(),
+                concurrency.unwrap_or(GET_CONCURRENCY_DEFAULT),
+            )
+            .await?
         }
         Some("restore") if args.len() == 3 => {
             restore(
@@ -293,7 +315,7 @@ async fn main() -> Result<()> {
             .await?
         }
         _ => bail!(
-            "usage: bench_store raw-put URL FILE... | raw-get URL | restore URL DEST --rank R --world W [--step N] | agent-restore URL ROOT --step N --rank R --world W [--no-copy]"
+            "usage: bench_store raw-put URL FILE... | raw-get URL [--stream] | restore URL DEST --rank R --world W [--step N] | agent-restore URL ROOT --step N --rank R --world W [--no-copy]"
         ),
     };
     println!("{out}");
