@@ -4,6 +4,8 @@
         [--staging-dir /dev/shm] [--disk-dir /tmp] [--s3]
     python bench/ckpt_bench.py dcp-s3-once --size-gib G --url s3://BUCKET/PATH   (durable's
         child for dcp.save to S3: s3fs comes first on its path, see common.ensure_s3fs)
+    python bench/ckpt_bench.py dcp-s3-load-once --size-gib G --url s3://BUCKET/PATH
+        (restore's child for dcp.load from S3 through s3fs, of what dcp-s3-once saved)
 
 Prints one JSON object per measurement on stdout (progress on stderr). Methods alternate within
 every repetition (the order rotates by one each time) and every one gets the same state object.
@@ -363,16 +365,44 @@ def bench_durable(a, model, opt, base, disk, moto):
     return methods, ref
 
 
+def fsspec_s3_options():
+    """fsspec (s3fs) options for the S3 endpoint and keys in $AWS_ENDPOINT and friends."""
+    return {"key": os.environ["AWS_ACCESS_KEY_ID"], "secret": os.environ["AWS_SECRET_ACCESS_KEY"],
+            "client_kwargs": {"endpoint_url": os.environ["AWS_ENDPOINT"],
+                              "region_name": os.environ.get("AWS_REGION", "us-east-1")}}
+
+
+def dcp_s3_load_once(a):
+    """Builds the state (the same seed as the parent's), zeroes it, and times one dcp.load of
+    it from S3 through fsspec (s3fs), then load_state_dict, as the file:// row loads it. The
+    loaded state is checked against the one built."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    model, opt, _, nbytes = make_state(a.size_gib)
+    want = digest(model, opt)
+    wipe(model, opt)
+    reader = FsspecReader(a.url, **fsspec_s3_options())
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t = time.perf_counter()
+    sd = state_dict(model, opt)
+    dcp.load(sd, storage_reader=reader)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    dt = time.perf_counter() - t
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    if digest(model, opt) != want:
+        raise RuntimeError("dcp.load from S3 gave a state that differs from the saved one")
+    emit(restore_s=dt, state_bytes=nbytes,
+         load_cpu_s=(r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime))
+
+
 def dcp_s3_once(a):
     """Builds the state and times one dcp.save of it to S3 through fsspec (s3fs), single file
     per rank like the file:// rows. Endpoint and keys come from $AWS_ENDPOINT and friends."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     model, opt, _, nbytes = make_state(a.size_gib)
-    writer = FsspecWriter(a.url, key=os.environ["AWS_ACCESS_KEY_ID"],
-                          secret=os.environ["AWS_SECRET_ACCESS_KEY"],
-                          client_kwargs={"endpoint_url": os.environ["AWS_ENDPOINT"],
-                                         "region_name": os.environ.get("AWS_REGION", "us-east-1")})
+    writer = FsspecWriter(a.url, **fsspec_s3_options())
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     t = time.perf_counter()
     dcp.save(state_dict(model, opt), storage_writer=writer)
@@ -423,6 +453,15 @@ def bench_restore(a, model, opt, base, disk, moto):
         run_tool([ckpt, "--json", "--concurrency", "4", "push", os.path.join(staging, "step-1"), urls["s3-raw"],
                   "--step", "1", "--world-size", "2", "--metadata", md, "--no-compress"], env)
     rm(staging)
+    dcp_s3_env = None
+    if moto is not None:
+        # DCP's own way to S3: dcp.save through fsspec's s3fs, once, in a child process (s3fs's
+        # botocore is not the venv's) that builds the same state from the same seed.
+        dcp_s3_env = dict(env)
+        dcp_s3_env["PYTHONPATH"] = common.ensure_s3fs() + os.pathsep + dcp_s3_env.get("PYTHONPATH", "")
+        urls["dcp-s3"] = f"s3://{BUCKET}/dcp"
+        run_tool([sys.executable, os.path.abspath(__file__), "dcp-s3-once", "--size-gib", str(a.size_gib),
+                  "--url", urls["dcp-s3"]], dcp_s3_env)
     # The same tensors as FSDP-style row shards (each of 2 ranks holds half the rows of every
     # tensor of 2+ rows, declared in __metadata__["elastic.shards"]), for resharded reads.
     from safetensors.torch import save_file
@@ -545,6 +584,14 @@ def bench_restore(a, model, opt, base, disk, moto):
         check()
         return {"restore_s": dt, "bytes_read": common.io_read_bytes() - r0}
 
+    def m_dcp_s3():
+        """dcp.load from S3 through s3fs, timed in a child process (dcp_s3_load_once)."""
+        def run():
+            _, js = run_tool([sys.executable, os.path.abspath(__file__), "dcp-s3-load-once", "--size-gib",
+                              str(a.size_gib), "--url", urls["dcp-s3"]], dcp_s3_env)
+            return {"restore_s": js["restore_s"], "fetch_cpu_s": js["load_cpu_s"]}
+        return run
+
     def m_torch():
         wipe(model, opt)
         r0 = common.io_read_bytes()
@@ -615,6 +662,7 @@ def bench_restore(a, model, opt, base, disk, moto):
             ("elastic_run.load_from through a file, world 2->2 (s3)", s3_warm("s3", m_from("s3", 2, into=False))),
             ("raw object_store get of the step (s3)", s3_warm("s3", m_raw("s3"))),
             ("raw object_store get of the step, streamed (s3)", s3_warm("s3", m_raw("s3", stream=True))),
+            ("dcp.load (s3, fsspec s3fs)", s3_warm("dcp-s3", m_dcp_s3())),
             ("checkpoint restore + elastic_run.load, world 2->2 (s3, raw chunks)",
              s3_warm("s3-raw", m_er("s3-raw", 2))),
             ("elastic_run.load_from, world 2->2 (s3, raw chunks)", s3_warm("s3-raw", m_from("s3-raw", 2))),
@@ -633,19 +681,21 @@ def bench_restore(a, model, opt, base, disk, moto):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("bench", choices=["stall", "durable", "restore", "dcp-s3-once"])
+    p.add_argument("bench", choices=["stall", "durable", "restore", "dcp-s3-once", "dcp-s3-load-once"])
     p.add_argument("--size-gib", type=float, required=True)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--staging-dir", default="/dev/shm")
     p.add_argument("--disk-dir", default=None)
     p.add_argument("--s3", action="store_true")
-    p.add_argument("--url", help="dcp-s3-once: where to save")
+    p.add_argument("--url", help="dcp-s3-once: where to save; dcp-s3-load-once: where to load from")
     p.add_argument("--only", default=None,
                    help="run only the methods whose name holds this text (e.g. 's3')")
     a = p.parse_args()
     if a.bench == "dcp-s3-once":
         return dcp_s3_once(a)
+    if a.bench == "dcp-s3-load-once":
+        return dcp_s3_load_once(a)
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     base = os.path.join(a.staging_dir, f"elastic-bench-{os.getpid()}")
