@@ -408,13 +408,16 @@ impl Store {
         }
         if presence == Presence::Whole {
             // Every rank checks the whole step's presence, not only its own chunks, so that
-            // ranks that need different chunks still agree on a step that lost an object. The
-            // objects this rank reads are checked by their read (a GET that finds no object,
-            // or one of another length, fails the step as a HEAD would, before its bytes
-            // count); only the others need a HEAD, which a rank that reads every chunk (a
-            // replicated step) skips.
+            // ranks that need different chunks still agree on a step that lost an object. On
+            // a remote store, where a HEAD is a request, the objects this rank reads are
+            // checked by their read instead (a GET that finds no object, or one of another
+            // length, fails the step as a HEAD would, before its bytes count); only the others
+            // get a HEAD, which a rank that reads every chunk (a replicated step) skips. On a
+            // local directory a HEAD is a stat: every object gets one, so that a lost or cut
+            // chunk is found before anything of the step is read.
             let read: std::collections::BTreeSet<u32> = ops.iter().map(|op| op.object).collect();
-            self.check_objects_present_where(m, |i| !read.contains(&(i as u32)), cancel)
+            let all = self.has_local_root();
+            self.check_objects_present_where(m, |i| all || !read.contains(&(i as u32)), cancel)
                 .await?;
         }
         let layout = Layout {

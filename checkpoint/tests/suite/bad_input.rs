@@ -597,7 +597,8 @@ async fn a_restore_tells_what_is_final_as_it_goes_and_starts_over_on_a_fallback(
 
 /// Every rank of a row-sharded step falls back when any one of its objects is lost: the ones
 /// a rank reads fail its read, and the others fail their HEAD, so ranks that read different
-/// chunks still agree on the step. Only the chunks a rank does not read get a HEAD.
+/// chunks still agree on the step. On a store that is not a local directory, only the chunks a
+/// rank does not read get a HEAD.
 #[tokio::test]
 async fn every_rank_of_a_sharded_step_falls_back_when_any_of_its_objects_is_lost() {
     let mem = Arc::new(InMemory::new());
