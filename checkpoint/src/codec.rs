@@ -483,8 +483,74 @@ pub fn decode_blocks<E>(
 
 /// Elements `[e0, e0 + out.len() / w)` of width `w` put back together from their byte
 /// `planes`: the inverse of [`extract_plane`] for a range of elements. Written as zips of
-/// slices of equal length, so the loop has no bounds checks and vectorizes.
+/// slices of equal length, so the loop has no bounds checks and vectorizes; 4-byte elements
+/// (float32, the commonest state), which the compiler does not vectorize well, have an SSE2
+/// loop of their own on x86-64, twice as fast.
 fn gather_planes(planes: &[&[u8]], w: usize, e0: usize, out: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if w == 4 {
+        let n = out.len() / 4;
+        let p = |k: usize| &planes[k][e0..e0 + n];
+        let done = gather4_sse2([p(0), p(1), p(2), p(3)], out);
+        let rest = |k: usize| &p(k)[done..];
+        gather_planes_portable(
+            &[rest(0), rest(1), rest(2), rest(3)],
+            4,
+            0,
+            &mut out[4 * done..],
+        );
+        return;
+    }
+    gather_planes_portable(planes, w, e0, out)
+}
+
+/// [`gather_planes`] for 4-byte elements, 16 at a time: the first `out.len() / 64 * 16`
+/// elements, a count it returns. Each of `planes` holds at least `out.len() / 4` bytes.
+#[cfg(target_arch = "x86_64")]
+fn gather4_sse2(planes: [&[u8]; 4], out: &mut [u8]) -> usize {
+    use std::arch::x86_64::{
+        __m128i, _mm_loadu_si128, _mm_storeu_si128, _mm_unpackhi_epi8, _mm_unpackhi_epi16,
+        _mm_unpacklo_epi8, _mm_unpacklo_epi16,
+    };
+    let [a, b, c, d] = planes.map(|p| p.chunks_exact(16));
+    let mut n = 0;
+    for ((((o, a), b), c), d) in out.chunks_exact_mut(64).zip(a).zip(b).zip(c).zip(d) {
+        let load = |x: &[u8]| {
+            // SAFETY: `x` is 16 bytes (`chunks_exact(16)`), and an unaligned load of 16
+            // readable bytes is always sound; SSE2 is part of every x86-64.
+            unsafe { _mm_loadu_si128(x.as_ptr().cast::<__m128i>()) }
+        };
+        let (a, b, c, d) = (load(a), load(b), load(c), load(d));
+        // SAFETY: arithmetic on registers only (SSE2, part of every x86-64).
+        let (ab_lo, ab_hi, cd_lo, cd_hi) = unsafe {
+            (
+                _mm_unpacklo_epi8(a, b),
+                _mm_unpackhi_epi8(a, b),
+                _mm_unpacklo_epi8(c, d),
+                _mm_unpackhi_epi8(c, d),
+            )
+        };
+        // SAFETY: as above.
+        let els = unsafe {
+            [
+                _mm_unpacklo_epi16(ab_lo, cd_lo),
+                _mm_unpackhi_epi16(ab_lo, cd_lo),
+                _mm_unpacklo_epi16(ab_hi, cd_hi),
+                _mm_unpackhi_epi16(ab_hi, cd_hi),
+            ]
+        };
+        for (dst, v) in o.chunks_exact_mut(16).zip(els) {
+            // SAFETY: `dst` is 16 writable bytes (`chunks_exact_mut(16)`), and an unaligned
+            // store to them is always sound.
+            unsafe { _mm_storeu_si128(dst.as_mut_ptr().cast::<__m128i>(), v) }
+        }
+        n += 16;
+    }
+    n
+}
+
+/// [`gather_planes`] without SIMD of its own, for every width and target.
+fn gather_planes_portable(planes: &[&[u8]], w: usize, e0: usize, out: &mut [u8]) {
     let n = out.len() / w;
     let p = |k: usize| &planes[k][e0..e0 + n];
     match w {

@@ -5,7 +5,10 @@
 //! touched once by a checksum and once by the copy that puts it in place. A chunk whose
 //! manifest lists block checksums has its decoded bytes summed by block instead
 //! ([`ChunkDecoder::sum_blocks`]), and the whole chunk's decoded checksum is their
-//! combination: a raw chunk is summed once, a compressed one once as stored and once decoded.
+//! combination. Those sums cover every decoded byte, so they stand in for the stored bytes'
+//! checksum too: a chunk summed by block is summed once, raw or compressed. Without block sums a
+//! compressed chunk is summed twice, once as stored and once decoded (and with them when the
+//! caller checks every checksum: [`ChunkDecoder::keep_stored_sum`]).
 //!
 //! - `raw`: each piece is handed on as it arrives; nothing is held.
 //! - `zstd`: the frame is decompressed as it arrives, through one block of buffer.
@@ -31,6 +34,8 @@ pub struct ChunkDecoder {
     received: u64,
     stored_crc: u32,
     raw_crc: DecodedSum,
+    /// Whether the stored bytes are summed even when the decoded ones are summed by block.
+    stored_sum_kept: bool,
     emitted: u64,
     state: State,
 }
@@ -39,8 +44,10 @@ pub struct ChunkDecoder {
 /// trusts what the sink was given.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Checksums {
-    /// The stored bytes' crc32c.
-    pub stored: u32,
+    /// The stored bytes' crc32c; `None` for a compressed chunk summed by block, whose stored
+    /// bytes are not summed on their own (see [`ChunkDecoder::sum_blocks`]) unless asked
+    /// ([`ChunkDecoder::keep_stored_sum`]).
+    pub stored: Option<u32>,
     /// The decoded bytes' crc32c (with block sums, their combination).
     pub decoded: u32,
     /// The decoded bytes' crc32c per check block, when asked for.
@@ -257,6 +264,7 @@ impl ChunkDecoder {
             received: 0,
             stored_crc: 0,
             raw_crc: DecodedSum::Whole(0),
+            stored_sum_kept: false,
             emitted: 0,
             state,
         })
@@ -264,21 +272,31 @@ impl ChunkDecoder {
 
     /// Sums the decoded bytes per check block ([`crate::format::CHECK_BLOCK_BYTES`]), for a
     /// chunk whose manifest lists its block checksums, in place of the whole chunk's decoded
-    /// sum: [`Checksums::decoded`] is then their combination (and for a raw chunk, whose
-    /// stored bytes are its decoded bytes, [`Checksums::stored`] too, without a pass of its
-    /// own). Call it before the first push.
+    /// sum: [`Checksums::decoded`] is then their combination. The stored bytes get no pass of
+    /// their own: a raw chunk's stored bytes are its decoded bytes, so [`Checksums::stored`]
+    /// is that combination too; a compressed chunk's is `None`, since decoded bytes that match
+    /// every block's checksum are right whatever the stored bytes were. Call it before the
+    /// first push.
     pub fn sum_blocks(&mut self) {
         debug_assert_eq!(self.received, 0, "sum_blocks after a push");
         self.raw_crc = DecodedSum::Blocks(BlockCrcs::default());
     }
 
-    /// Whether the stored bytes are summed as they arrive: always, but for a raw chunk summed
-    /// by block, whose block sums cover them.
+    /// Keeps the stored bytes' own sum of a compressed chunk summed by block, for a caller that
+    /// checks every checksum the manifest lists (`verify`): [`Checksums::stored`] is then
+    /// `Some` for every chunk. Call it before the first push.
+    pub fn keep_stored_sum(&mut self) {
+        debug_assert_eq!(self.received, 0, "keep_stored_sum after a push");
+        self.stored_sum_kept = true;
+    }
+
+    /// Whether the stored bytes are summed as they arrive: unless the decoded bytes are summed
+    /// by block, which covers them (and, for a raw chunk, are the stored bytes' sum).
     fn sums_stored(&self) -> bool {
-        !matches!(
-            (&self.state, &self.raw_crc),
-            (State::Raw, DecodedSum::Blocks(_))
-        )
+        match self.raw_crc {
+            DecodedSum::Whole(_) => true,
+            DecodedSum::Blocks(_) => self.stored_sum_kept && !matches!(self.state, State::Raw),
+        }
     }
 
     /// Moves a `zstd-planes` state to the first span at or after `from` that has bytes.
@@ -641,9 +659,14 @@ impl ChunkDecoder {
             )));
         }
         let raw = matches!(self.state, State::Raw);
+        let summed_stored = self.sums_stored();
         let (decoded, blocks) = self.raw_crc.finish();
         Ok(Checksums {
-            stored: if raw { decoded } else { self.stored_crc },
+            stored: if raw {
+                Some(decoded)
+            } else {
+                summed_stored.then_some(self.stored_crc)
+            },
             decoded,
             blocks,
         })

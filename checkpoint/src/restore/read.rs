@@ -137,11 +137,14 @@ impl Store {
     /// manifest lists them) and the length are checked at the end: until this returns `Ok`,
     /// what the sink was given is not to be trusted. A remote object comes as one GET,
     /// resumed from where it broke off when a transient error cuts it; at most
-    /// [`PIECES_IN_FLIGHT`] batches of its pieces wait for the decoder.
+    /// [`PIECES_IN_FLIGHT`] batches of its pieces wait for the decoder. With `every_checksum`,
+    /// a compressed chunk's stored checksum is checked too, where block checksums make it
+    /// redundant for the decoded bytes (`verify` checks every checksum the manifest lists).
     pub(crate) async fn read_object<S>(
         &self,
         m: &Manifest,
         idx: usize,
+        every_checksum: bool,
         cancel: &CancellationToken,
         mut sink: S,
     ) -> Result<()>
@@ -154,9 +157,13 @@ impl Store {
         let mut d = ChunkDecoder::new(&o.codec, o.raw_bytes, o.stored_bytes, STREAM_BLOCK_BYTES)
             .map_err(|reason| self.corrupt(step, &o.key, reason))?;
         // A chunk with block checksums has them checked, so that a chunk that reads whole
-        // also reads in part; they stand in for the pass of its whole decoded checksum.
+        // also reads in part; they stand in for the passes of its whole decoded checksum and,
+        // since they cover every decoded byte, of its stored checksum: one pass in all.
         if !o.block_crc32c.is_empty() {
             d.sum_blocks();
+        }
+        if every_checksum {
+            d.keep_stored_sum();
         }
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<bytes::Bytes>>(PIECES_IN_FLIGHT);
         let store = self.clone();
@@ -174,8 +181,10 @@ impl Store {
             if let Some(blocks) = &sums.blocks {
                 check_block_crcs(&store, step, &o, blocks)?;
             }
-            if sums.stored != o.stored_crc32c {
-                return Err(store.crc_mismatch(step, &o, "crc32c", sums.stored, o.stored_crc32c));
+            if let Some(stored) = sums.stored
+                && stored != o.stored_crc32c
+            {
+                return Err(store.crc_mismatch(step, &o, "crc32c", stored, o.stored_crc32c));
             }
             if sums.decoded != o.raw_crc32c {
                 return Err(store.crc_mismatch(
@@ -300,7 +309,7 @@ impl Store {
         idx: usize,
         cancel: &CancellationToken,
     ) -> Result<()> {
-        self.read_object(m, idx, cancel, |_, _| Ok(())).await
+        self.read_object(m, idx, true, cancel, |_, _| Ok(())).await
     }
 
     /// Reads every object of `step` and checks lengths and checksums. The report lists every

@@ -259,7 +259,7 @@ impl Store {
                         // failure elsewhere stops it at the next block.
                         let (stop, key) = (abort.clone(), o.key.clone());
                         let url = self.url().to_string();
-                        self.read_object(m, object as usize, abort, move |at, b| {
+                        self.read_object(m, object as usize, false, abort, move |at, b| {
                             if stop.is_cancelled() {
                                 return Err(Error::Cancelled {
                                     op: format!("get {key} on {url}"),
