@@ -204,7 +204,7 @@ async fn restore(
     Ok(serde_json::json!({
         "op": "restore", "seconds": secs, "step": report.step, "rank": rank, "world": world,
         "saved_world": m.world_size, "tensors": report.tensors,
-        "bytes_needed": report.bytes, "bytes_read": read.bytes, "gets": read.gets, "heads": read.heads,
+        "bytes_needed": report.bytes, "bytes_read": read.bytes, "gets": read.gets, "heads": read.heads, "lists": read.lists,
         "step_stored_bytes": m.stored_bytes(), "step_raw_bytes": m.raw_bytes(),
         "rss_start_bytes": rss_start, "rss_peak_bytes": rss_peak,
         "rss_rise_bytes": rss_peak.saturating_sub(rss_start), "concurrency": opts.concurrency,

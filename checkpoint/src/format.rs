@@ -225,8 +225,12 @@ pub const ABANDON_REASON_BYTES_MAX: usize = 1024;
 pub fn abandoned_key(step: u64, writer: &str) -> String {
     format!("{}/{writer}{ABANDONED_SUFFIX}", parts_dir(step))
 }
+/// Where every writer's data of a step lies.
+pub fn data_root(step: u64) -> String {
+    format!("{}/data", step_dir(step))
+}
 pub fn data_dir(step: u64, writer: &str, attempt: &str) -> String {
-    format!("{}/data/{writer}-{attempt}", step_dir(step))
+    format!("{}/{writer}-{attempt}", data_root(step))
 }
 pub fn data_key(step: u64, writer: &str, attempt: &str, chunk: usize) -> String {
     format!("{}/{chunk:06}.bin", data_dir(step, writer, attempt))

@@ -615,12 +615,12 @@ async fn a_restore_tells_what_is_final_as_it_goes_and_starts_over_on_a_fallback(
     assert!(shadow[data_start..] == restored[data_start..]);
 }
 
-/// Every rank of a row-sharded step falls back when any one of its objects is lost: the ones
-/// a rank reads fail its read, and the others fail their HEAD, so ranks that read different
-/// chunks still agree on the step. On a store that is not a local directory, only the chunks a
-/// rank does not read get a HEAD.
+/// Every rank of a row-sharded step falls back when any one of its objects is lost or cut: the
+/// ones a rank reads fail its read, and the others fail their check (one listing of the step's
+/// data, on a store that is not a local directory), so ranks that read different chunks still
+/// agree on the step. A rank asks nothing of the chunks it reads before it reads them.
 #[tokio::test]
-async fn every_rank_of_a_sharded_step_falls_back_when_any_of_its_objects_is_lost() {
+async fn every_rank_of_a_sharded_step_falls_back_when_any_of_its_objects_is_lost_or_cut() {
     let mem = Arc::new(InMemory::new());
     let store = Store::from_object_store(mem.clone(), PREFIX, "memory://ck");
     let w = common::tensor("w", "F32", &[37, 50], 1);
@@ -637,9 +637,13 @@ async fn every_rank_of_a_sharded_step_falls_back_when_any_of_its_objects_is_lost
         .map(|o| o.key.clone())
         .collect();
     assert!(keys.len() > 3, "small chunks: the shards span chunks");
-    for key in &keys {
+    for (key, cut) in keys.iter().flat_map(|k| [(k, false), (k, true)]) {
         let data = get_raw(&mem, key).await;
-        mem.delete(&p(key)).await.unwrap();
+        if cut {
+            put_raw(&mem, key, data[..data.len() - 1].to_vec()).await;
+        } else {
+            mem.delete(&p(key)).await.unwrap();
+        }
         for (rank, world) in [(0, 3), (2, 3), (1, 2)] {
             let dir = tempfile::tempdir().unwrap();
             let r = store
@@ -656,22 +660,26 @@ async fn every_rank_of_a_sharded_step_falls_back_when_any_of_its_objects_is_lost
             assert_eq!(
                 (r.step, &r.skipped_steps[..]),
                 (1, &[2][..]),
-                "{key} lost, rank {rank} of {world}"
+                "{key} lost (cut: {cut}), rank {rank} of {world}"
             );
         }
         put_raw(&mem, key, data).await;
     }
-    // The objects a rank reads are checked by their read, not by a HEAD first: beyond what
-    // finding the newest step and reading its manifest take, a rank HEADs only the chunks it
-    // does not read. Rank 0 of 1 reads every chunk; rank 2 of 3 reads rows 26-37, none of the
-    // first writer's chunks.
-    let before = store.read_stats().heads;
+    // The objects a rank reads are checked by their read, not by a request first: beyond what
+    // finding the newest step and reading its manifest take, a rank checks only the chunks it
+    // does not read: by a HEAD when there is one, in one listing when there are more. Rank 0
+    // of 1 reads every chunk. Rank 1 of 3 reads rows 13-25 and `b`: not the first writer's
+    // one chunk (rows 0-11), nor the last writer's second (rows 12-37 take two chunks of 4 KiB,
+    // and its first holds rows 12-31). Rank 2 of 3 reads rows 25-37 and `b`: all but the
+    // first writer's chunk.
+    let before = store.read_stats();
     store.committed_steps(&cancel()).await.unwrap();
     store.read_manifest(2, &cancel()).await.unwrap();
-    let finding = store.read_stats().heads - before;
-    let mut heads = Vec::new();
-    for (rank, world) in [(0, 1), (2, 3)] {
-        let before = store.read_stats().heads;
+    let after = store.read_stats();
+    let finding = (after.heads - before.heads, after.lists - before.lists);
+    let mut asked = Vec::new();
+    for (rank, world) in [(0, 1), (1, 3), (2, 3)] {
+        let before = store.read_stats();
         let dir = tempfile::tempdir().unwrap();
         let r = store
             .restore(
@@ -685,16 +693,26 @@ async fn every_rank_of_a_sharded_step_falls_back_when_any_of_its_objects_is_lost
             .await
             .unwrap();
         assert_eq!((r.step, r.skipped_steps.len()), (2, 0));
-        heads.push(store.read_stats().heads - before - finding);
+        let after = store.read_stats();
+        asked.push((
+            after.heads - before.heads - finding.0,
+            after.lists - before.lists - finding.1,
+        ));
     }
-    let objects = keys.len() as u64;
+    let objects = keys.len();
     assert_eq!(
-        heads[0], 0,
-        "rank 0 of 1 reads every one of the {objects} chunks"
+        asked[0],
+        (0, 0),
+        "rank 0 of 1 reads every one of the {objects} chunks: (HEADs, listings)"
     );
-    assert!(
-        heads[1] > 0 && heads[1] < objects,
-        "rank 2 of 3 HEADs {} of {objects} chunks",
-        heads[1]
+    assert_eq!(
+        asked[1],
+        (0, 1),
+        "rank 1 of 3 lists the chunks it does not read: (HEADs, listings)"
+    );
+    assert_eq!(
+        asked[2],
+        (1, 0),
+        "rank 2 of 3 HEADs the one chunk it does not read: (HEADs, listings)"
     );
 }

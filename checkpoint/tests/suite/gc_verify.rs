@@ -269,7 +269,8 @@ async fn gc_keeps_the_newest_verifying_step_s3_moto() {
     run_cases(|case| Backend::s3(&opts, case)).await;
 }
 
-/// Denies every read of one key, once it is set: a store error, not an integrity error.
+/// Denies every read of one key, once it is set, and every listing that would show it: a store
+/// error, not an integrity error.
 #[derive(Debug, Default)]
 struct Denies {
     inner: InMemory,
@@ -318,10 +319,21 @@ impl ObjectStore for Denies {
     ) -> BoxStream<'static, object_store::Result<ObjPath>> {
         self.inner.delete_stream(locations)
     }
+    /// A listing that would show the denied key is denied too.
     fn list(
         &self,
         prefix: Option<&ObjPath>,
     ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        let denied = self.key.lock().unwrap().clone();
+        if let Some(key) = denied
+            && prefix.is_none_or(|p| key.prefix_match(p).is_some())
+        {
+            let err = object_store::Error::PermissionDenied {
+                path: key.to_string(),
+                source: "injected: listing denied".into(),
+            };
+            return Box::pin(futures::stream::once(async move { Err(err) }));
+        }
         self.inner.list(prefix)
     }
     async fn list_with_delimiter(
@@ -342,8 +354,8 @@ impl ObjectStore for Denies {
 
 #[tokio::test]
 async fn a_store_error_while_checking_aborts_gc_before_any_delete() {
-    // The newest manifest (read first), a chunk of the newest step (the cheap check reads its
-    // size), and the manifest of step 2 behind a garbled step 3 (checked once 3 fails).
+    // The newest manifest (read first), a chunk of the newest step (the cheap check lists the
+    // step's data, the full one reads it), and the manifest of step 2 behind a garbled step 3 (checked once 3 fails).
     for case in ["manifest", "chunk", "after_a_failed_step"] {
         let denies = Arc::new(Denies::default());
         let store = Store::from_object_store(denies.clone(), "ck", "memory://ck");
