@@ -412,7 +412,8 @@ impl Store {
             // a remote store, where a HEAD is a request, the objects this rank reads are
             // checked by their read instead (a GET that finds no object, or one of another
             // length, fails the step as a HEAD would, before its bytes count); only the others
-            // get a HEAD, which a rank that reads every chunk (a replicated step) skips. On a
+            // are checked, by a HEAD or, when there are several, one listing of the step's data,
+            // which a rank that reads every chunk (a replicated step) skips. On a
             // local directory a HEAD is a stat: every object gets one, so that a lost or cut
             // chunk is found before anything of the step is read.
             let read: std::collections::BTreeSet<u32> = ops.iter().map(|op| op.object).collect();

@@ -223,8 +223,8 @@ impl StoreSink {
     }
 
     /// Retention after `committed`, a commit this node wrote. It runs on every commit, so it
-    /// stays cheap: gc's `Present` check (manifests read, objects HEADed, no data read) of
-    /// the newest `keep_steps` steps only. A flipped bit goes unseen, which is safe here:
+    /// stays cheap: gc's `Present` check (manifests read, objects listed or HEADed, no data
+    /// read) of the newest `keep_steps` steps only. A flipped bit goes unseen, which is safe here:
     /// `committed` is pinned (counted as verifying, never deleted), and it is good, since this
     /// agent checksummed its chunks as it uploaded them and the commit found every part
     /// durable. It is normally the newest step; when a newer one that passes the cheap check
