@@ -322,39 +322,34 @@ async fn forged_checksum_fails_verify_naming_the_object() {
     let key = "steps/00000000000000000002/manifest.json";
     let mut m: Value = serde_json::from_slice(&get_raw(&mem, key).await).unwrap();
     let obj = m["objects"][1]["key"].as_str().unwrap().to_string();
-    let crc = m["objects"][1]["stored_crc32c"].as_u64().unwrap();
     assert_ne!(
         m["objects"][1]["codec"]["name"], "raw",
         "a compressed chunk"
     );
-    // Its stored checksum alone: `verify` checks every checksum and names the object. A
-    // restore decodes the chunk and checks what it decoded against the decoded and block
-    // checksums, which hold: it reads step 2.
-    m["objects"][1]["stored_crc32c"] = (crc ^ 1).into();
-    put_raw(&mem, key, serde_json::to_vec(&m).unwrap()).await;
-    let report = store
-        .verify(2, &ReadOptions::default(), &cancel())
-        .await
-        .unwrap();
-    assert_eq!(report.bad.len(), 1);
-    assert_eq!(report.bad[0].0, obj);
-    let dir = tempfile::tempdir().unwrap();
-    let r = store
-        .restore(None, 0, 1, dir.path(), &ReadOptions::default(), &cancel())
-        .await
-        .unwrap();
-    assert_eq!((r.step, r.skipped_steps.len()), (2, 0));
-    // Its decoded checksum too: both fail.
-    let raw_crc = m["objects"][1]["raw_crc32c"].as_u64().unwrap();
-    m["objects"][1]["raw_crc32c"] = (raw_crc ^ 1).into();
-    put_raw(&mem, key, serde_json::to_vec(&m).unwrap()).await;
-    let report = store
-        .verify(2, &ReadOptions::default(), &cancel())
-        .await
-        .unwrap();
-    assert_eq!(report.bad.len(), 1);
-    assert_eq!(report.bad[0].0, obj);
-    assert_restore_falls_back_to_step_1(&store).await;
+    // First its stored checksum alone: `verify` checks every checksum and names the object,
+    // while a restore checks what it decoded against the decoded and block checksums, which
+    // hold, and reads step 2. Then its decoded checksum too: both fail.
+    for (field, restores_step_2) in [("stored_crc32c", true), ("raw_crc32c", false)] {
+        let crc = m["objects"][1][field].as_u64().unwrap();
+        m["objects"][1][field] = (crc ^ 1).into();
+        put_raw(&mem, key, serde_json::to_vec(&m).unwrap()).await;
+        let report = store
+            .verify(2, &ReadOptions::default(), &cancel())
+            .await
+            .unwrap();
+        assert_eq!(report.bad.len(), 1, "{field}");
+        assert_eq!(report.bad[0].0, obj, "{field}");
+        if restores_step_2 {
+            let dir = tempfile::tempdir().unwrap();
+            let r = store
+                .restore(None, 0, 1, dir.path(), &ReadOptions::default(), &cancel())
+                .await
+                .unwrap();
+            assert_eq!((r.step, r.skipped_steps.len()), (2, 0), "{field}");
+        } else {
+            assert_restore_falls_back_to_step_1(&store).await;
+        }
+    }
 }
 
 fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
