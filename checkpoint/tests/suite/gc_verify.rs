@@ -11,6 +11,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use checkpoint::retention::{GcCheck, GcDecision, GcReason, GcReport};
 use checkpoint::{Error, ReadOptions, RetentionPolicy, Store};
+use futures::StreamExt;
 use futures::stream::BoxStream;
 use object_store::memory::InMemory;
 use object_store::path::Path as ObjPath;
@@ -269,12 +270,14 @@ async fn gc_keeps_the_newest_verifying_step_s3_moto() {
     run_cases(|case| Backend::s3(&opts, case)).await;
 }
 
-/// Denies every read of one key, once it is set, and every listing that would show it: a store
-/// error, not an integrity error.
+/// Denies every read of one key, once it is set, and every listing of a step's data that would
+/// show it: a store error, not an integrity error. Its listings also leave out the `hidden`
+/// key, as a listing that lags behind the writes would.
 #[derive(Debug, Default)]
 struct Denies {
     inner: InMemory,
     key: std::sync::Mutex<Option<ObjPath>>,
+    hidden: std::sync::Mutex<Option<ObjPath>>,
 }
 
 impl fmt::Display for Denies {
@@ -319,14 +322,17 @@ impl ObjectStore for Denies {
     ) -> BoxStream<'static, object_store::Result<ObjPath>> {
         self.inner.delete_stream(locations)
     }
-    /// A listing that would show the denied key is denied too.
+    /// A listing of a step's data that would show the denied key is denied too (gc's listing
+    /// of whole step directories is not, so that its check gets to run).
     fn list(
         &self,
         prefix: Option<&ObjPath>,
     ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
         let denied = self.key.lock().unwrap().clone();
         if let Some(key) = denied
-            && prefix.is_none_or(|p| key.prefix_match(p).is_some())
+            && let Some(p) = prefix
+            && p.as_ref().contains("/data")
+            && key.prefix_match(p).is_some()
         {
             let err = object_store::Error::PermissionDenied {
                 path: key.to_string(),
@@ -334,7 +340,11 @@ impl ObjectStore for Denies {
             };
             return Box::pin(futures::stream::once(async move { Err(err) }));
         }
-        self.inner.list(prefix)
+        let hidden = self.hidden.lock().unwrap().clone();
+        Box::pin(self.inner.list(prefix).filter(move |m| {
+            let shown = !matches!((m, &hidden), (Ok(m), Some(h)) if &m.location == h);
+            std::future::ready(shown)
+        }))
     }
     async fn list_with_delimiter(
         &self,
@@ -352,10 +362,43 @@ impl ObjectStore for Denies {
     }
 }
 
+/// A chunk that a listing leaves out, as one that lags behind the writes would, gets a HEAD of
+/// its own before its step counts as lost: the newest step stays the newest, and gc's cheap
+/// check keeps it.
+#[tokio::test]
+async fn a_chunk_a_listing_leaves_out_is_asked_for_before_its_step_counts_as_lost() {
+    let denies = Arc::new(Denies::default());
+    let store = Store::from_object_store(denies.clone(), "ck", "memory://ck");
+    three_steps(&store).await;
+    let m = store.read_manifest(3, &cancel()).await.unwrap();
+    assert!(m.objects.len() >= 2, "enough chunks to list");
+    // What finding the newest step asks of the store, with the listing whole, then with a
+    // chunk left out of it: one HEAD more, that chunk's.
+    let mut asked = Vec::new();
+    for hide in [false, true] {
+        *denies.hidden.lock().unwrap() =
+            hide.then(|| ObjPath::from(format!("ck/{}", m.objects[0].key)));
+        let before = store.read_stats();
+        let latest = store.latest_committed(&cancel()).await.unwrap().unwrap();
+        let after = store.read_stats();
+        assert_eq!(latest.step, 3, "hidden {hide}");
+        asked.push((after.heads - before.heads, after.lists - before.lists));
+    }
+    assert_eq!(asked[0].1, 1, "one listing of the step's data");
+    assert_eq!(asked[1], (asked[0].0 + 1, 1), "the hidden chunk's HEAD");
+    let report = store
+        .gc(&policy(1, GcCheck::Present), false, &cancel())
+        .await
+        .unwrap();
+    assert!(report.not_verifying.is_empty(), "{report:?}");
+    assert_eq!(store.committed_steps(&cancel()).await.unwrap(), [3]);
+}
+
 #[tokio::test]
 async fn a_store_error_while_checking_aborts_gc_before_any_delete() {
     // The newest manifest (read first), a chunk of the newest step (the cheap check lists the
-    // step's data, the full one reads it), and the manifest of step 2 behind a garbled step 3 (checked once 3 fails).
+    // step's data, the full one reads the chunk), and the manifest of step 2 behind a garbled
+    // step 3 (checked once 3 fails).
     for case in ["manifest", "chunk", "after_a_failed_step"] {
         let denies = Arc::new(Denies::default());
         let store = Store::from_object_store(denies.clone(), "ck", "memory://ck");
@@ -387,6 +430,14 @@ async fn a_store_error_while_checking_aborts_gc_before_any_delete() {
             assert!(!err.is_integrity(), "{case}: {err}");
             assert!(matches!(err, Error::Store { .. }), "{case}: {err}");
             assert!(err.to_string().contains("denied"), "{case}: {err}");
+            if case == "chunk" {
+                // Denied by the check itself, not before it.
+                let by = match check {
+                    GcCheck::Present => checkpoint::format::data_root(3),
+                    GcCheck::Full => key.clone(),
+                };
+                assert!(err.to_string().contains(&by), "{check:?}: {err}");
+            }
         }
         *denies.key.lock().unwrap() = None;
         assert_eq!(
