@@ -75,6 +75,17 @@ def digest(model, opt):
     return [float(t.reshape(-1)[:: max(1, t.numel() // 4096)].double().sum()) for t in tensors_of(model, opt)]
 
 
+def dcp_load_timed(model, opt, **source):
+    """`dcp.load` of the state from `source` (`checkpoint_id=` or `storage_reader=`), then
+    `load_state_dict` of the model and optimizer: its seconds."""
+    t = time.perf_counter()
+    sd = state_dict(model, opt)
+    dcp.load(sd, **source)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    return time.perf_counter() - t
+
+
 def wipe(model, opt):
     with torch.no_grad():
         for t in tensors_of(model, opt):
@@ -383,12 +394,7 @@ def dcp_s3_load_once(a):
     wipe(model, opt)
     reader = FsspecReader(a.url, **fsspec_s3_options())
     r0 = resource.getrusage(resource.RUSAGE_SELF)
-    t = time.perf_counter()
-    sd = state_dict(model, opt)
-    dcp.load(sd, storage_reader=reader)
-    model.load_state_dict(sd["model"])
-    opt.load_state_dict(sd["optim"])
-    dt = time.perf_counter() - t
+    dt = dcp_load_timed(model, opt, storage_reader=reader)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     if digest(model, opt) != want:
         raise RuntimeError("dcp.load from S3 gave a state that differs from the saved one")
@@ -567,12 +573,7 @@ def bench_restore(a, model, opt, base, disk, moto):
     def m_dcp():
         wipe(model, opt)
         r0 = common.io_read_bytes()
-        t = time.perf_counter()
-        sd = state_dict(model, opt)
-        dcp.load(sd, checkpoint_id=dcp_dir)
-        model.load_state_dict(sd["model"])
-        opt.load_state_dict(sd["optim"])
-        dt = time.perf_counter() - t
+        dt = dcp_load_timed(model, opt, checkpoint_id=dcp_dir)
         check()
         return {"restore_s": dt, "bytes_read": common.io_read_bytes() - r0}
 

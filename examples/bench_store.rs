@@ -11,9 +11,9 @@
 //!         arrive and keeping none: the least a GET can cost.
 //!     bench_store restore URL DEST --rank R --world W [--step N] [--concurrency 8]
 //!         `Store::restore` of the newest committed step (or N) for rank R of W into DEST, with
-//!         the bytes it read (`Store::read_stats`: every GET and local read of an object,
-//!         manifests included), and the peak resident size it rose to over the start (`VmHWM`
-//!         after it, over `VmRSS` before).
+//!         the bytes it read and the requests that read them (`Store::read_stats`: every GET
+//!         and local read of an object, manifests included; HEADs; listings), and the peak
+//!         resident size it rose to over the start (`VmHWM` after it, over `VmRSS` before).
 //!     bench_store agent-restore URL ROOT --step N --rank R --world W [--no-copy] [--concurrency 8]
 //!         The agent's own restore (`runtime::pipeline::StoreSink::restore`, as `elastic-run`
 //!         restores a resume step) of rank R of W into `ROOT/step-N/rank-R/`; with `--no-copy`,

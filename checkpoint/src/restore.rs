@@ -412,10 +412,10 @@ impl Store {
             // a remote store, where a HEAD is a request, the objects this rank reads are
             // checked by their read instead (a GET that finds no object, or one of another
             // length, fails the step as a HEAD would, before its bytes count); only the others
-            // are checked, by a HEAD or, when there are several, one listing of the step's data,
-            // which a rank that reads every chunk (a replicated step) skips. On a
-            // local directory a HEAD is a stat: every object gets one, so that a lost or cut
-            // chunk is found before anything of the step is read.
+            // are checked, by a HEAD or, when there are several, one listing of the step's
+            // data, which a rank that reads every chunk (a replicated step) skips. On a local
+            // directory a HEAD is a stat: every object gets one, so that a lost or cut chunk is
+            // found before anything of the step is read.
             let read: std::collections::BTreeSet<u32> = ops.iter().map(|op| op.object).collect();
             let all = self.has_local_root();
             self.check_objects_present_where(m, |i| all || !read.contains(&(i as u32)), cancel)
